@@ -1,0 +1,1 @@
+"""Ray actors and deployments wrapping the plain classes of capture/, trainer/ and serving/."""

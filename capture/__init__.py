@@ -1,0 +1,1 @@
+"""Capture: the frozen target, data rendering, feature contracts, capture server, feature store."""

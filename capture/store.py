@@ -1,0 +1,251 @@
+"""Feature store: captured tensors as checksummed safetensors blobs behind fsspec.
+
+``FeatureStore(uri)`` supports ``file://`` (also a plain path; the embedded default) and
+``s3://bucket/prefix`` through s3fs (any S3: AWS, SeaweedFS, MinIO; the endpoint comes from
+``endpoint_url=`` or ``$SPECRAY_S3_ENDPOINT``, the region from ``$AWS_DEFAULT_REGION``).
+
+Every blob is described by a ``SampleRef``: metadata only (key, shapes, dtypes, token count,
+size, sha256, contract id), which is all that travels through the control plane. ``get``
+verifies size and checksum before deserialising, so a corrupt or truncated blob raises
+``FeatureChecksumError`` naming the key and is never trained on.
+
+Manifests are immutable Parquet tables of SampleRefs with the capture contract and a schema
+version in the table metadata (``write_manifest`` / ``read_manifest``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from specray.capture.contract import CaptureContract
+
+MANIFEST_SCHEMA_VERSION = 1
+_DTYPE_NAMES = {
+    torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
+    torch.int32: "int32", torch.int64: "int64", torch.bool: "bool", torch.uint8: "uint8",
+}
+
+
+class FeatureChecksumError(IOError):
+    """A stored blob does not match the size or sha256 its SampleRef recorded."""
+
+
+class FeatureNotFoundError(FileNotFoundError):
+    """No blob under the requested key."""
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    """Metadata of one stored sample; never holds tensors."""
+
+    sample_id: str
+    key: str  # path of the blob relative to the store root
+    tensors: tuple[TensorMeta, ...]
+    num_tokens: int
+    num_bytes: int
+    checksum: str  # "sha256:<hex>" of the blob bytes
+    contract: str  # CaptureContract.contract_id
+
+    def tensor(self, name: str) -> TensorMeta:
+        for meta in self.tensors:
+            if meta.name == name:
+                return meta
+        raise KeyError(f"{self.key} has no tensor {name!r}; it has {[m.name for m in self.tensors]}")
+
+
+def _checksum(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+class FeatureStore:
+    """``put / get / delete / exists`` of safetensors blobs under one root URI."""
+
+    def __init__(self, uri: str, *, endpoint_url: str | None = None, storage_options: dict | None = None):
+        options = dict(storage_options or {})
+        protocol = uri.split("://", 1)[0] if "://" in uri else "file"
+        if protocol not in ("file", "s3"):
+            raise ValueError(f"store URI {uri!r}: supported schemes are file:// and s3://")
+        if protocol == "s3":
+            endpoint_url = endpoint_url or os.environ.get("SPECRAY_S3_ENDPOINT")
+            if endpoint_url:
+                options.setdefault("client_kwargs", {})["endpoint_url"] = endpoint_url
+        self.uri = uri
+        self.protocol = protocol
+        self.endpoint_url = endpoint_url
+        self.fs, root = fsspec.core.url_to_fs(uri, **options)
+        self.root = root.rstrip("/")
+        if protocol == "file":
+            self.fs.makedirs(self.root, exist_ok=True)
+
+    def __repr__(self) -> str:
+        return f"FeatureStore({self.uri!r})"
+
+    def _path(self, key: str) -> str:
+        if not key or key.startswith("/") or ".." in key.split("/"):
+            raise ValueError(f"invalid store key {key!r}: use a relative path without '..'")
+        return f"{self.root}/{key}"
+
+    def put(self, key: str, tensors: dict[str, torch.Tensor], *, sample_id: str, num_tokens: int, contract: str) -> SampleRef:
+        """Write one blob atomically (readers see all of it or nothing) and describe it."""
+        tensors = {k: v.contiguous() for k, v in tensors.items()}
+        data = st_save(tensors, metadata={"sample_id": sample_id, "contract": contract})
+        self.put_bytes(key, data)
+        return SampleRef(
+            sample_id=sample_id,
+            key=key,
+            tensors=tuple(TensorMeta(k, tuple(v.shape), _DTYPE_NAMES[v.dtype]) for k, v in tensors.items()),
+            num_tokens=num_tokens,
+            num_bytes=len(data),
+            checksum=_checksum(data),
+            contract=contract,
+        )
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        if self.protocol == "file":
+            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        else:
+            self.fs.pipe_file(path, data)  # a single S3 PUT is atomic
+
+    def get_bytes(self, key: str) -> bytes:
+        try:
+            return self.fs.cat_file(self._path(key))
+        except FileNotFoundError:
+            raise FeatureNotFoundError(f"no feature blob at key {key!r} in {self.uri}") from None
+
+    def get(self, ref: SampleRef) -> dict[str, torch.Tensor]:
+        data = self.get_bytes(ref.key)
+        if len(data) != ref.num_bytes or _checksum(data) != ref.checksum:
+            raise FeatureChecksumError(
+                f"feature blob {ref.key!r} in {self.uri} is corrupt or truncated: "
+                f"{len(data)} bytes (expected {ref.num_bytes}), checksum mismatch; re-capture this sample"
+            )
+        tensors = st_load(data)
+        for meta in ref.tensors:
+            got = tensors.get(meta.name)
+            if got is None or tuple(got.shape) != meta.shape or _DTYPE_NAMES[got.dtype] != meta.dtype:
+                raise FeatureChecksumError(f"feature blob {ref.key!r}: tensor {meta.name!r} does not match its SampleRef")
+        return tensors
+
+    def exists(self, key: str) -> bool:
+        return self.fs.exists(self._path(key))
+
+    def delete(self, key: str) -> None:
+        """Idempotent: deleting a missing key is not an error."""
+        try:
+            self.fs.rm_file(self._path(key))
+        except FileNotFoundError:
+            pass
+        if self.protocol == "s3":
+            self.fs.invalidate_cache(self._path(key))
+
+
+# -- manifests -----------------------------------------------------------------------------
+
+_TENSOR_TYPE = pa.struct([("name", pa.string()), ("shape", pa.list_(pa.int64())), ("dtype", pa.string())])
+MANIFEST_SCHEMA = pa.schema([
+    ("sample_id", pa.string()),
+    ("key", pa.string()),
+    ("tensors", pa.list_(_TENSOR_TYPE)),
+    ("num_tokens", pa.int64()),
+    ("num_bytes", pa.int64()),
+    ("checksum", pa.string()),
+    ("contract", pa.string()),
+])
+
+
+@dataclass(frozen=True)
+class Manifest:
+    refs: list[SampleRef]
+    contract: CaptureContract
+    store_uri: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.refs)
+
+
+def write_manifest(
+    uri: str, refs: Iterable[SampleRef], *, contract: CaptureContract, store_uri: str,
+    metadata: dict[str, Any] | None = None, overwrite: bool = False, storage_options: dict | None = None,
+) -> str:
+    """Write an immutable Parquet manifest; refuses to replace one unless ``overwrite``."""
+    refs = list(refs)
+    foreign = {r.contract for r in refs} - {contract.contract_id}
+    if foreign:
+        raise ValueError(f"refs of contracts {sorted(foreign)} cannot go in a manifest of contract {contract.contract_id}")
+    fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    if fs.exists(path) and not overwrite:
+        raise FileExistsError(f"manifest {uri} exists and manifests are immutable; choose another path or pass overwrite")
+    table = pa.table(
+        {
+            "sample_id": [r.sample_id for r in refs],
+            "key": [r.key for r in refs],
+            "tensors": [[{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in r.tensors] for r in refs],
+            "num_tokens": [r.num_tokens for r in refs],
+            "num_bytes": [r.num_bytes for r in refs],
+            "checksum": [r.checksum for r in refs],
+            "contract": [r.contract for r in refs],
+        },
+        schema=MANIFEST_SCHEMA,
+    ).replace_schema_metadata({
+        "specray.schema_version": str(MANIFEST_SCHEMA_VERSION),
+        "specray.contract": contract.to_json(),
+        "specray.store_uri": store_uri,
+        "specray.metadata": json.dumps(metadata or {}, sort_keys=True),
+    })
+    if "://" not in uri or uri.startswith("file://"):
+        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    with fs.open(path, "wb") as f:
+        pq.write_table(table, f)
+    return uri
+
+
+def read_manifest(uri: str, *, storage_options: dict | None = None) -> Manifest:
+    fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    if not fs.exists(path):
+        raise FileNotFoundError(f"no manifest at {uri}")
+    with fs.open(path, "rb") as f:
+        table = pq.read_table(f)
+    meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
+    version = meta.get("specray.schema_version")
+    if version != str(MANIFEST_SCHEMA_VERSION):
+        raise ValueError(
+            f"manifest {uri} has schema version {version!r}; this specray reads version "
+            f"{MANIFEST_SCHEMA_VERSION}; re-capture or use the matching specray release"
+        )
+    contract = CaptureContract.from_json(meta["specray.contract"])
+    refs = [
+        SampleRef(
+            sample_id=row["sample_id"], key=row["key"],
+            tensors=tuple(TensorMeta(t["name"], tuple(t["shape"]), t["dtype"]) for t in row["tensors"]),
+            num_tokens=row["num_tokens"], num_bytes=row["num_bytes"],
+            checksum=row["checksum"], contract=row["contract"],
+        )
+        for row in table.to_pylist()
+    ]
+    return Manifest(refs, contract, meta["specray.store_uri"], json.loads(meta["specray.metadata"]))

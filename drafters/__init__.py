@@ -1,0 +1,1 @@
+"""Drafter model definitions (eagle3, dflash, dspark, dflash2) and their serving format."""

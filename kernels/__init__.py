@@ -1,0 +1,1 @@
+"""Triton kernels, each paired with a pure-torch reference in the same module."""

@@ -1,0 +1,1 @@
+"""Typed configs, the ``specray`` CLI, job drivers and benchmarks."""

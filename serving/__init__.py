@@ -1,0 +1,1 @@
+"""Speculative engine: KV cache, scheduler, target runner, one worker per algorithm."""

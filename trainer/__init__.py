@@ -1,0 +1,1 @@
+"""Feature data loader, per-algorithm train strategies, TrainerCore, ack ledger, export."""
