@@ -76,24 +76,29 @@ def _checksum(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
+def open_fs(uri: str, *, endpoint_url: str | None = None, storage_options: dict | None = None):
+    """(filesystem, path, protocol) for a ``file://``/plain-path or ``s3://`` URI."""
+    options = dict(storage_options or {})
+    protocol = uri.split("://", 1)[0] if "://" in uri else "file"
+    if protocol not in ("file", "s3"):
+        raise ValueError(f"URI {uri!r}: supported schemes are file:// and s3://")
+    if protocol == "s3":
+        endpoint_url = endpoint_url or os.environ.get("SPECRAY_S3_ENDPOINT")
+        if endpoint_url:
+            options.setdefault("client_kwargs", {})["endpoint_url"] = endpoint_url
+    fs, path = fsspec.core.url_to_fs(uri, **options)
+    return fs, path, protocol
+
+
 class FeatureStore:
     """``put / get / delete / exists`` of safetensors blobs under one root URI."""
 
     def __init__(self, uri: str, *, endpoint_url: str | None = None, storage_options: dict | None = None):
-        options = dict(storage_options or {})
-        protocol = uri.split("://", 1)[0] if "://" in uri else "file"
-        if protocol not in ("file", "s3"):
-            raise ValueError(f"store URI {uri!r}: supported schemes are file:// and s3://")
-        if protocol == "s3":
-            endpoint_url = endpoint_url or os.environ.get("SPECRAY_S3_ENDPOINT")
-            if endpoint_url:
-                options.setdefault("client_kwargs", {})["endpoint_url"] = endpoint_url
         self.uri = uri
-        self.protocol = protocol
         self.endpoint_url = endpoint_url
-        self.fs, root = fsspec.core.url_to_fs(uri, **options)
+        self.fs, root, self.protocol = open_fs(uri, endpoint_url=endpoint_url, storage_options=storage_options)
         self.root = root.rstrip("/")
-        if protocol == "file":
+        if self.protocol == "file":
             self.fs.makedirs(self.root, exist_ok=True)
 
     def __repr__(self) -> str:
@@ -191,14 +196,14 @@ class Manifest:
 
 def write_manifest(
     uri: str, refs: Iterable[SampleRef], *, contract: CaptureContract, store_uri: str,
-    metadata: dict[str, Any] | None = None, overwrite: bool = False, storage_options: dict | None = None,
+    metadata: dict[str, Any] | None = None, overwrite: bool = False, endpoint_url: str | None = None,
 ) -> str:
     """Write an immutable Parquet manifest; refuses to replace one unless ``overwrite``."""
     refs = list(refs)
     foreign = {r.contract for r in refs} - {contract.contract_id}
     if foreign:
         raise ValueError(f"refs of contracts {sorted(foreign)} cannot go in a manifest of contract {contract.contract_id}")
-    fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    fs, path, protocol = open_fs(uri, endpoint_url=endpoint_url)
     if fs.exists(path) and not overwrite:
         raise FileExistsError(f"manifest {uri} exists and manifests are immutable; choose another path or pass overwrite")
     table = pa.table(
@@ -218,15 +223,15 @@ def write_manifest(
         "specray.store_uri": store_uri,
         "specray.metadata": json.dumps(metadata or {}, sort_keys=True),
     })
-    if "://" not in uri or uri.startswith("file://"):
+    if protocol == "file":
         fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     with fs.open(path, "wb") as f:
         pq.write_table(table, f)
     return uri
 
 
-def read_manifest(uri: str, *, storage_options: dict | None = None) -> Manifest:
-    fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+def read_manifest(uri: str, *, endpoint_url: str | None = None) -> Manifest:
+    fs, path, _ = open_fs(uri, endpoint_url=endpoint_url)
     if not fs.exists(path):
         raise FileNotFoundError(f"no manifest at {uri}")
     with fs.open(path, "rb") as f:

