@@ -1,6 +1,8 @@
 """The ``specray`` command line.
 
     specray capture -c manifests/capture-quickstart.yaml [section.field=value …]
+    specray train -c manifests/train-dflash-quickstart.yaml [section.field=value …]
+    specray export runs/train-dflash-quickstart [--out DIR]
     specray inspect runs/capture-quickstart/manifest.parquet [--verify]
     specray bench capture --json bench/capture.json [-c CONFIG] [--repeats 3] [overrides …]
 
@@ -26,6 +28,24 @@ def _cmd_capture(args: argparse.Namespace) -> int:
     cfg = load_config(CaptureJobConfig, args.config, args.overrides)
     summary = run_capture(cfg, progress=not args.quiet)
     print(summary.table())
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from specray.pipeline.config import TrainJobConfig
+    from specray.pipeline.train_job import run_training
+
+    cfg = load_config(TrainJobConfig, args.config, args.overrides)
+    summary = run_training(cfg, progress=not args.quiet)
+    print(summary.table())
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from specray.trainer.export import export_checkpoint
+
+    out = export_checkpoint(args.checkpoint, args.out)
+    print(f"exported   {out}")
     return 0
 
 
@@ -82,6 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
     capture.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     capture.add_argument("overrides", nargs="*", metavar="section.field=value")
     capture.set_defaults(fn=_cmd_capture)
+
+    train = sub.add_parser("train", help="train a drafter on a captured manifest")
+    train.add_argument("-c", "--config", help="YAML run manifest (e.g. manifests/train-dflash-quickstart.yaml)")
+    train.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    train.add_argument("overrides", nargs="*", metavar="section.field=value")
+    train.set_defaults(fn=_cmd_train)
+
+    export = sub.add_parser("export", help="turn a training checkpoint into a drafter directory for serving")
+    export.add_argument("checkpoint", help="a run dir (its latest checkpoint), a checkpoints dir, or a step-* dir")
+    export.add_argument("--out", default=None, help="export directory (default <run_dir>/exports/step-N)")
+    export.set_defaults(fn=_cmd_export)
 
     inspect = sub.add_parser("inspect", help="summarise a manifest; --verify re-reads every blob")
     inspect.add_argument("manifest")

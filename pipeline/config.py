@@ -142,6 +142,8 @@ def _format_error(model: type[BaseModel], err: dict) -> str:
         close = difflib.get_close_matches(str(err["loc"][-1]), valid, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         return f"{loc}: unknown key. Fix: {hint}valid keys here are {valid}"
+    if err["type"] == "missing":
+        return f"{loc}: required and missing. Fix: add it to the YAML or pass {loc}=VALUE"
     message = err["msg"].removeprefix("Value error, ")
     return f"{loc}: {message} (got {err.get('input')!r})"
 
@@ -163,3 +165,79 @@ def load_config(model: type[BaseModel], path: str | Path | None = None, override
         where = f" in {path}" if path else ""
         lines = [_format_error(model, err) for err in e.errors()]
         raise ConfigError(f"invalid config{where}:\n  " + "\n  ".join(lines)) from None
+
+
+# -- specray train --------------------------------------------------------------------------
+
+
+class TrainDataConfig(Section):
+    manifest: str = Field(..., description="Parquet manifest written by specray capture (runs/<name>/manifest.parquet)")
+    endpoint_url: str | None = Field(None, description="S3 endpoint when the manifest or its store is on s3://")
+    max_length: int | None = Field(None, gt=0, description="cut samples to this many tokens (None = as captured)")
+
+
+class DrafterSection(Section):
+    algorithm: str = Field("dflash", description="drafter to train; must match the manifest's capture contract")
+    num_layers: int = Field(1, gt=0, description="draft decoder layers")
+    num_heads: int | None = Field(None, gt=0, description="attention heads (None = the target's)")
+    num_kv_heads: int | None = Field(None, gt=0, description="K/V heads (None = the target's)")
+    head_dim: int | None = Field(None, gt=0, description="per-head dim (None = the target's)")
+    intermediate_size: int | None = Field(None, gt=0, description="MLP width (None = the target's)")
+    block_size: int = Field(8, description="B: anchor + B-1 draft tokens per block (>= 2)")
+    attention: Literal["full", "sliding"] = Field("full", description="full: bidirectional in block; sliding: causal + window")
+    sliding_window: int | None = Field(None, gt=0, description="context positions visible with attention=sliding")
+    mask_token_id: int | None = Field(None, ge=0, description="MASK token (None = tokenizer's mask, else unk, else 0)")
+
+    @field_validator("block_size")
+    @classmethod
+    def _block(cls, value: int) -> int:
+        if value < 2:
+            raise ValueError("block_size must be >= 2 (one anchor + at least one draft token); DFlash uses 8-16")
+        return value
+
+
+class ObjectiveSection(Section):
+    num_anchors: int = Field(16, gt=0, description="blocks sampled per sequence per step")
+    gamma: float = Field(4.0, gt=0, description="position-weight decay w_j = exp(-(j-1)/gamma)")
+
+
+class OptimSection(Section):
+    lr: float = Field(6e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(20, ge=0)
+    total_steps: int = Field(200, gt=0, description="optimizer steps")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
+    grad_clip: float | None = Field(1.0, gt=0, description="global grad-norm clip (None = off)")
+    micro_batch_size: int = Field(2, gt=0, description="sequences per rank per micro-batch")
+    accumulation_steps: int = Field(1, gt=0)
+    bf16: bool = Field(False, description="bf16 autocast for the drafter forward")
+    seed: int = Field(0, description="seeds init, data order and anchors")
+
+
+class TrainerSection(Section):
+    world_size: int = Field(1, gt=0, description="DDP ranks (torch.distributed, gloo) on this machine")
+    log_every: int = Field(10, gt=0)
+    checkpoint_every: int = Field(100, gt=0)
+    keep_last: int | None = Field(2, gt=0, description="checkpoints kept (None = all)")
+
+
+class TrainOutputSection(Section):
+    run_dir: str | None = Field(None, description="checkpoints, metrics.jsonl, curves.png (None = runs/<name>)")
+    resume: bool = Field(True, description="continue from the run dir's latest checkpoint if there is one")
+
+
+class TrainJobConfig(Section):
+    """``specray train``: train a drafter on a captured manifest."""
+
+    name: str = Field("train", description="run name; the default run dir is runs/<name>")
+    target: TargetConfig = TargetConfig()
+    data: TrainDataConfig
+    drafter: DrafterSection = DrafterSection()
+    objective: ObjectiveSection = ObjectiveSection()
+    optim: OptimSection = OptimSection()
+    trainer: TrainerSection = TrainerSection()
+    output: TrainOutputSection = TrainOutputSection()
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output.run_dir or Path("runs") / self.name)

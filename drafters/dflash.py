@@ -1,0 +1,283 @@
+"""DFlash drafter (seed §4): one forward drafts a whole block; target features enter every layer's K/V.
+
+Input block ``[a, MASK × (B−1)]`` at positions ``p_a + 0 … p_a + B−1`` (RoPE positions are the
+anchor's position in the sequence plus the offset, never reset per block). Each draft layer ``ℓ``:
+
+    C        = context_norm(fc(cat(target hidden of the contract's layers)))     # [S, D]
+    K_c, V_c = k_proj_ℓ(C), v_proj_ℓ(C)           (KV injection: projected target hidden, §4.2;
+                                                  target K/V tensors are never copied)
+    K_d, V_d = k_proj_ℓ(x), v_proj_ℓ(x)            x = the block's own hidden states
+    x       += o_proj(Attention(q_proj_ℓ(x), [K_c; K_d], [V_c; V_d]; mask))
+    x       += mlp(x)
+
+then ``logits = lm_head(norm(x))``. The embedding (for the anchor and MASK tokens) and the LM
+head are the target's, frozen and shared: the drafter keeps references to them, they are not
+its parameters and are not in its ``state_dict`` (an export holds only the drafter's weights).
+
+Mask (``block_attention_mask``), per query of the block anchored at ``a``:
+
+- target context key ``k`` is visible iff ``k < a`` — strictly before the anchor (seed §4.3):
+  the anchor's own target hidden does not exist yet at inference time;
+- ``attention="full"``: every key of the same block (bidirectional inside the block, the
+  paper's default); ``"sliding"``: block keys at offsets ``<=`` the query's (causal inside the
+  block) and only the last ``sliding_window`` context positions before the anchor;
+- nothing of any other block.
+
+The same module serves training (many blocks per sequence, ``forward``) and serving (one block
+per request over cached context K/V, ``context_kv`` + ``forward_block``).
+
+Note on the seed vs DESIGN.md: both describe the same contract; the seed's figure for the
+context boundary (``kv_idx < anchor_pos``) is what is implemented, with the anchor position
+being the position of the anchor token itself.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    hidden_size: int  # D, equal to the target's (shared embedding and LM head)
+    vocab_size: int  # V, the target's
+    target_layer_ids: tuple[int, ...]  # the capture contract's layer ids, in concatenation order
+    mask_token_id: int
+    num_layers: int = 2
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 1536
+    block_size: int = 8  # B = 1 anchor + m = B − 1 draft tokens
+    attention: Literal["full", "sliding"] = "full"
+    sliding_window: int | None = None  # context positions visible in "sliding" mode
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (one anchor + at least one draft token), got {self.block_size}")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids is empty; use the capture contract's layer ids")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        if self.attention not in ("full", "sliding"):
+            raise ValueError(f"attention must be 'full' or 'sliding', got {self.attention!r}")
+        if self.attention == "sliding" and not (self.sliding_window and self.sliding_window > 0):
+            raise ValueError("attention='sliding' needs a positive sliding_window (context positions visible)")
+
+    @property
+    def num_draft_tokens(self) -> int:  # m
+        return self.block_size - 1
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["target_layer_ids"] = list(self.target_layer_ids)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "DFlashConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown DFlash config keys {sorted(unknown)}; valid keys: {sorted(known)}")
+        return cls(**data)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (Llama's rotate-half layout). x [..., H, T, hd], positions [..., T]."""
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)  # [hd/2]
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # [..., T, hd/2]
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1).unsqueeze(-3).to(x.dtype)  # [..., 1, T, hd]
+    sin = torch.cat([angles.sin(), angles.sin()], dim=-1).unsqueeze(-3).to(x.dtype)
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.cfg = cfg
+        D, H, Hkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(D, H * hd, bias=False)
+        self.k_proj = nn.Linear(D, Hkv * hd, bias=False)
+        self.v_proj = nn.Linear(D, Hkv * hd, bias=False)
+        self.o_proj = nn.Linear(H * hd, D, bias=False)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def project_kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of ``x`` [Bt, T, D] at ``positions`` [Bt, T] -> ([Bt, Hkv, T, hd], [Bt, Hkv, T, hd])."""
+        Bt, T, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(Bt, T, self.cfg.num_kv_heads, self.cfg.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(Bt, T, self.cfg.num_kv_heads, self.cfg.head_dim).transpose(1, 2)
+        return apply_rope(k, positions, self.cfg.rope_theta), v
+
+    def forward(self, x, positions, ctx_k, ctx_v, mask):
+        """x [Bt, Q, D] block states; ctx_k/ctx_v [Bt, Hkv, S, hd]; mask [Bt, Q, S + Q] bool (True = attend)."""
+        Bt, Q, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(Bt, Q, self.cfg.num_heads, self.cfg.head_dim)).transpose(1, 2)
+        q = apply_rope(q, positions, self.cfg.rope_theta)  # [Bt, H, Q, hd]
+        k_d, v_d = self.project_kv(x, positions)
+        k = torch.cat([ctx_k, k_d], dim=2)  # [Bt, Hkv, S + Q, hd]
+        v = torch.cat([ctx_v, v_d], dim=2)
+        groups = self.cfg.num_heads // self.cfg.num_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])  # [Bt, H, Q, hd]
+        return self.o_proj(out.transpose(1, 2).reshape(Bt, Q, -1))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = DFlashAttention(cfg)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x, positions, ctx_k, ctx_v, mask):
+        x = x + self.attn(self.input_norm(x), positions, ctx_k, ctx_v, mask)
+        h = self.post_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+def block_attention_mask(
+    anchors: torch.Tensor,  # [Bt, N] anchor positions (−1 = unused block slot)
+    context_valid: torch.Tensor,  # [Bt, S] bool, False on padding
+    block_size: int,
+    attention: str = "full",
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """[Bt, N·B, S + N·B] bool mask for N blocks over S context positions (see module docstring).
+
+    Example (S = 4, one block anchored at 2, B = 2, full): both block queries see context
+    ``[0, 1]`` and both block keys: rows ``[1 1 0 0 | 1 1]``.
+    """
+    Bt, N = anchors.shape
+    S = context_valid.shape[1]
+    Q = N * block_size
+    anchor_q = anchors.repeat_interleave(block_size, dim=1)  # [Bt, Q] anchor of each query
+    k_pos = torch.arange(S, device=anchors.device)
+    ctx = (k_pos[None, None, :] < anchor_q[:, :, None]) & context_valid[:, None, :]  # strictly before the anchor
+    if attention == "sliding":
+        ctx &= k_pos[None, None, :] >= (anchor_q[:, :, None] - sliding_window)
+    block_q = torch.arange(Q, device=anchors.device) // block_size
+    offset = torch.arange(Q, device=anchors.device) % block_size
+    same = block_q[:, None] == block_q[None, :]  # [Q, Q]
+    if attention == "sliding":
+        same &= offset[None, :] <= offset[:, None]
+    used = (anchor_q >= 0)  # [Bt, Q]
+    blocks = same[None] & used[:, :, None] & used[:, None, :]
+    mask = torch.cat([ctx & used[:, :, None], blocks], dim=-1)
+    # An unused slot sees nothing; give it its own key so softmax stays finite (its loss is masked).
+    diag = torch.zeros_like(blocks)
+    diag[:, torch.arange(Q), torch.arange(Q)] = ~used
+    mask[:, :, S:] |= diag
+    return mask
+
+
+class DFlashDrafter(nn.Module):
+    """The DFlash draft model; ``embed_tokens`` and ``lm_head`` are the target's (frozen, shared)."""
+
+    algorithm = "dflash"
+
+    def __init__(self, config: DFlashConfig, *, embed_tokens: nn.Embedding, lm_head: nn.Linear):
+        super().__init__()
+        if embed_tokens.weight.shape != (config.vocab_size, config.hidden_size):
+            raise ValueError(
+                f"the target's embedding is {tuple(embed_tokens.weight.shape)}, the config says "
+                f"({config.vocab_size}, {config.hidden_size}); build the config from this target"
+            )
+        self.config = config
+        L, D = len(config.target_layer_ids), config.hidden_size
+        self.fc = nn.Linear(L * D, D, bias=False)  # context projection of the concatenated target layers
+        self.context_norm = RMSNorm(D, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(D, config.rms_norm_eps)
+        self._init_weights()
+        # A tuple hides the shared modules from nn.Module: not parameters, not in state_dict.
+        self._target_modules = (embed_tokens, lm_head)
+
+    def _init_weights(self) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+        for layer in self.layers:  # residual branches start small (GPT-2 style scaling)
+            scale = 0.02 / math.sqrt(2 * self.config.num_layers)
+            nn.init.normal_(layer.attn.o_proj.weight, std=scale)
+            nn.init.normal_(layer.down_proj.weight, std=scale)
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self._target_modules[0]
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self._target_modules[1]
+
+    def project_context(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Target features [Bt, S, L·D] -> context C [Bt, S, D]."""
+        return self.context_norm(self.fc(hidden_states.to(self.fc.weight.dtype)))
+
+    def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer K/V of the context C [Bt, S, D] at positions [Bt, S] (what serving caches)."""
+        return [layer.attn.project_kv(context, positions) for layer in self.layers]
+
+    def block_inputs(self, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """Block token ids ``[a, MASK × (B−1)]`` for anchors [..., N] -> [..., N, B]."""
+        masks = torch.full((*anchor_ids.shape, self.config.block_size - 1), self.config.mask_token_id,
+                           dtype=anchor_ids.dtype, device=anchor_ids.device)
+        return torch.cat([anchor_ids[..., None], masks], dim=-1)
+
+    def forward_block(self, block_ids, positions, ctx_kv, mask) -> torch.Tensor:
+        """block_ids/positions [Bt, Q]; ctx_kv per layer; mask [Bt, Q, S + Q] -> hidden [Bt, Q, D]."""
+        x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            x = layer(x, positions, k, v, mask)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden.to(self.lm_head.weight.dtype))
+
+    def forward(self, hidden_states, context_valid, anchor_ids, anchors) -> torch.Tensor:
+        """Training forward over many blocks per sequence.
+
+        hidden_states [Bt, S, L·D] target features; context_valid [Bt, S] bool; anchor_ids
+        [Bt, N] the tokens at the anchors; anchors [Bt, N] their positions (−1 = unused slot).
+        Returns logits [Bt, N, B − 1, V]: entry ``j − 1`` of block n predicts token ``anchor + j``
+        (the anchor row predicts nothing in DFlash, so the LM head skips it).
+        """
+        Bt, S, _ = hidden_states.shape
+        N, B = anchors.shape[1], self.config.block_size
+        context = self.project_context(hidden_states)
+        ctx_pos = torch.arange(S, device=hidden_states.device).expand(Bt, S)
+        ctx_kv = self.context_kv(context, ctx_pos)
+        block_ids = self.block_inputs(anchor_ids).reshape(Bt, N * B)
+        positions = (anchors.clamp(min=0)[..., None] + torch.arange(B, device=anchors.device)).reshape(Bt, N * B)
+        mask = block_attention_mask(anchors, context_valid, B, self.config.attention, self.config.sliding_window)
+        hidden = self.forward_block(block_ids, positions, ctx_kv, mask).view(Bt, N, B, -1)
+        return self.logits(hidden[:, :, 1:])

@@ -1,0 +1,106 @@
+import pytest
+import torch
+from torch import nn
+
+from specray.drafters.dflash import DFlashConfig, DFlashDrafter, block_attention_mask
+
+D, V, L = 32, 50, 3
+
+
+def _drafter(**kw):
+    torch.manual_seed(0)
+    cfg = DFlashConfig(hidden_size=D, vocab_size=V, target_layer_ids=(1, 2, 3), mask_token_id=4, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, block_size=4, **kw)
+    embed, head = nn.Embedding(V, D), nn.Linear(D, V, bias=False)
+    return DFlashDrafter(cfg, embed_tokens=embed, lm_head=head).eval()
+
+
+def _inputs(S=12, anchors=((3, 7),)):
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(1, S, L * D, generator=g)
+    anchors = torch.tensor(anchors)
+    ids = torch.randint(0, V, (1, S), generator=g)
+    return hidden, torch.ones(1, S, dtype=torch.bool), torch.gather(ids, 1, anchors.clamp(min=0)), anchors
+
+
+def test_tiny_mask_equals_hand_written():
+    # S = 4 context positions, blocks anchored at 2 and 0 plus an unused slot, B = 2, full attention
+    mask = block_attention_mask(torch.tensor([[2, 0, -1]]), torch.tensor([[True, True, True, False]]), 2)
+    expected = torch.tensor([
+        # ctx 0 1 2 3 | block0 | block1 | unused
+        [1, 1, 0, 0, 1, 1, 0, 0, 0, 0],  # anchor 2, offset 0: sees context < 2 only
+        [1, 1, 0, 0, 1, 1, 0, 0, 0, 0],  # anchor 2, offset 1: same context, whole block
+        [0, 0, 0, 0, 0, 0, 1, 1, 0, 0],  # anchor 0: no context at all
+        [0, 0, 0, 0, 0, 0, 1, 1, 0, 0],
+        [0, 0, 0, 0, 0, 0, 0, 0, 1, 0],  # unused slot: only itself (finite softmax, no loss)
+        [0, 0, 0, 0, 0, 0, 0, 0, 0, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(mask[0], expected)
+
+
+def test_sliding_mask_is_causal_in_block_and_windowed():
+    mask = block_attention_mask(torch.tensor([[3]]), torch.ones(1, 4, dtype=torch.bool), 3, "sliding", sliding_window=2)
+    expected = torch.tensor([
+        [0, 1, 1, 0, 1, 0, 0],
+        [0, 1, 1, 0, 1, 1, 0],
+        [0, 1, 1, 0, 1, 1, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(mask[0], expected)
+
+
+@pytest.mark.parametrize("attention", ["full", "sliding"])
+def test_no_anchor_leak(attention):
+    kw = {"attention": attention, "sliding_window": 16} if attention == "sliding" else {}
+    model = _drafter(**kw)
+    hidden, valid, anchor_ids, anchors = _inputs()
+    with torch.no_grad():
+        base = model(hidden, valid, anchor_ids, anchors)  # [1, 2, 3, V]
+        at_anchor = hidden.clone()
+        at_anchor[:, 3:] += 5.0  # the anchor of block 0 (3) and everything after it
+        out = model(at_anchor, valid, anchor_ids, anchors)
+        assert torch.equal(out[:, 0], base[:, 0])  # block 0 never sees positions >= 3
+        assert not torch.allclose(out[:, 1], base[:, 1])  # block 1 (anchor 7) sees 3..6
+        before = hidden.clone()
+        before[:, 2] += 5.0  # strictly before both anchors
+        out = model(before, valid, anchor_ids, anchors)
+        assert not torch.allclose(out[:, 0], base[:, 0]) and not torch.allclose(out[:, 1], base[:, 1])
+        after_both = hidden.clone()
+        after_both[:, 7:] += 5.0
+        assert torch.equal(model(after_both, valid, anchor_ids, anchors), base)
+
+
+def test_positions_are_anchor_plus_offset():
+    model = _drafter()
+    seen = []
+    model.layers[0].attn.register_forward_pre_hook(lambda m, args: seen.append(args[1].clone()))
+    hidden, valid, anchor_ids, anchors = _inputs()
+    with torch.no_grad():
+        model(hidden, valid, anchor_ids, anchors)
+    assert seen[0].tolist() == [[3, 4, 5, 6, 7, 8, 9, 10]]
+
+
+def test_blocks_are_independent_and_shared_modules_stay_out_of_the_state():
+    model = _drafter()
+    hidden, valid, anchor_ids, anchors = _inputs()
+    with torch.no_grad():
+        both = model(hidden, valid, anchor_ids, anchors)
+        alone = model(hidden, valid, anchor_ids[:, 1:], anchors[:, 1:])
+    torch.testing.assert_close(both[:, 1:], alone)
+    names = set(model.state_dict())
+    assert not any("embed" in n or "lm_head" in n for n in names)
+    assert sum(p.numel() for p in model.parameters()) == sum(t.numel() for t in model.state_dict().values())
+
+
+def test_bad_configs():
+    with pytest.raises(ValueError, match="block_size must be >= 2"):
+        _drafter_cfg = DFlashConfig(hidden_size=D, vocab_size=V, target_layer_ids=(1,), mask_token_id=0, block_size=1)
+    with pytest.raises(ValueError, match="mask_token_id 99 is outside"):
+        DFlashConfig(hidden_size=D, vocab_size=V, target_layer_ids=(1,), mask_token_id=99)
+    with pytest.raises(ValueError, match="sliding_window"):
+        DFlashConfig(hidden_size=D, vocab_size=V, target_layer_ids=(1,), mask_token_id=0, attention="sliding")
+    with pytest.raises(ValueError, match="unknown DFlash config keys"):
+        DFlashConfig.from_dict({"hidden_size": D, "vocab_size": V, "target_layer_ids": [1], "mask_token_id": 0, "x": 1})
+    cfg = DFlashConfig(hidden_size=D, vocab_size=V, target_layer_ids=(1,), mask_token_id=0)
+    with pytest.raises(ValueError, match="build the config from this target"):
+        DFlashDrafter(cfg, embed_tokens=nn.Embedding(V + 1, D), lm_head=nn.Linear(D, V + 1))
+    assert DFlashConfig.from_dict(cfg.to_dict()) == cfg

@@ -1,0 +1,140 @@
+"""End-to-end training on captured debug features: resume, golden loss, DDP, export, bad input."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from specray.capture.contract import ContractMismatchError
+from specray.capture.store import FeatureNotFoundError, FeatureStore, read_manifest
+from specray.capture.target import load_target
+from specray.drafters.format import InvalidDrafterError, load_drafter
+from specray.pipeline.capture_job import run_capture
+from specray.pipeline.config import CaptureJobConfig, ConfigError, TrainJobConfig, load_config
+from specray.pipeline.train_job import build_trainer, run_training
+from specray.trainer.checkpoint import load_checkpoint
+from specray.trainer.export import export_checkpoint
+
+GOLDEN = Path(__file__).parent / "golden" / "dflash_debug_loss.json"
+
+
+def _capture(root: Path, algorithm="dflash", name="cap", samples=16):
+    cfg = load_config(CaptureJobConfig, "manifests/capture-quickstart.yaml", [
+        f"name={name}", "target.name=debug", f"data.max_samples={samples}", "data.max_length=192",
+        f"capture.algorithm={algorithm}", f"output.run_dir={root / name}", "capture.dtype=float32",
+    ])
+    run_capture(cfg, progress=False)
+    return root / name / "manifest.parquet"
+
+
+@pytest.fixture(scope="module")
+def manifest(tmp_path_factory):
+    return _capture(tmp_path_factory.mktemp("features"))
+
+
+def _cfg(manifest, run_dir, *overrides):
+    return load_config(TrainJobConfig, "manifests/train-dflash-quickstart.yaml", [
+        "target.name=debug", f"data.manifest={manifest}", f"output.run_dir={run_dir}", "optim.total_steps=8",
+        "optim.warmup_steps=2", "trainer.checkpoint_every=4", "trainer.log_every=1", "trainer.keep_last=null",
+        "objective.num_anchors=4", *overrides,
+    ])
+
+
+def _params(run_dir):
+    return load_checkpoint(Path(run_dir) / "checkpoints").model
+
+
+def _losses(run_dir):
+    return [json.loads(line)["loss"] for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resume_equals_a_straight_run(manifest, tmp_path):
+    straight = build_trainer(_cfg(manifest, tmp_path / "a"))
+    straight.fit(progress=False)
+    first = build_trainer(_cfg(manifest, tmp_path / "b"))
+    first.fit(progress=False, until=4)  # "crash" after step 4's checkpoint
+    first.loader.close()
+    resumed = build_trainer(_cfg(manifest, tmp_path / "b"))
+    assert resumed.resume() == 4
+    resumed.fit(progress=False)
+    a, b = _params(tmp_path / "a"), _params(tmp_path / "b")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert _losses(tmp_path / "a") == _losses(tmp_path / "b")
+    assert (tmp_path / "b" / "checkpoints" / "step-00000004").is_dir()
+
+
+def test_seeded_debug_run_reproduces_the_golden_loss(manifest, tmp_path):
+    run_training(_cfg(manifest, tmp_path / "run", "optim.total_steps=12"), progress=False)
+    losses = _losses(tmp_path / "run")
+    if os.environ.get("SPECRAY_UPDATE_GOLDEN"):
+        GOLDEN.write_text(json.dumps({"losses": losses}, indent=1) + "\n")
+    golden = json.loads(GOLDEN.read_text())["losses"]
+    assert len(losses) == len(golden) == 12
+    for step, (got, want) in enumerate(zip(losses, golden), 1):
+        assert got == pytest.approx(want, rel=1e-4, abs=1e-5), f"step {step}"
+    assert losses[-1] < losses[0]
+    assert (tmp_path / "run" / "curves.png").stat().st_size > 10_000
+
+
+def test_two_ddp_ranks_equal_one_rank_with_accumulation(manifest, tmp_path):
+    run_training(_cfg(manifest, tmp_path / "one", "optim.total_steps=3", "optim.micro_batch_size=1",
+                      "optim.accumulation_steps=2"), progress=False)
+    run_training(_cfg(manifest, tmp_path / "two", "optim.total_steps=3", "optim.micro_batch_size=1",
+                      "trainer.world_size=2"), progress=False)
+    one, two = _params(tmp_path / "one"), _params(tmp_path / "two")
+    for name in one:
+        torch.testing.assert_close(one[name], two[name], rtol=1e-5, atol=1e-6)
+    assert _losses(tmp_path / "one") == pytest.approx(_losses(tmp_path / "two"), rel=1e-5)
+
+
+def test_export_round_trip_and_fingerprint_check(manifest, tmp_path):
+    cfg = _cfg(manifest, tmp_path / "run", "optim.total_steps=4")
+    trainer = build_trainer(cfg)
+    trainer.fit(progress=False)
+    out = export_checkpoint(tmp_path / "run", tmp_path / "export")
+    target = load_target("debug")
+    shared = dict(embed_tokens=target.model.model.embed_tokens, lm_head=target.model.lm_head)
+    contract = json.loads(read_manifest(str(manifest)).contract.to_json())
+    loaded = load_drafter(out, target_fingerprint=target.target_fingerprint,
+                          template_fingerprint=target.template_fingerprint, contract=contract, **shared)
+    batch = trainer.loader.next_batch()
+    anchors = torch.tensor([[3, 10]] * batch.input_ids.shape[0])
+    ids = torch.gather(batch.input_ids, 1, anchors)
+    trained = trainer.core.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(batch.hidden_states, batch.attention_mask, ids, anchors),
+                                   trained(batch.hidden_states, batch.attention_mask, ids, anchors), rtol=0, atol=0)
+    other = load_target("debug:1")
+    with pytest.raises(InvalidDrafterError, match="trained for another target"):
+        load_drafter(out, target_fingerprint=other.target_fingerprint,
+                     template_fingerprint=other.template_fingerprint, **shared)
+    with pytest.raises(InvalidDrafterError, match="capture contract differs in \\['layer_ids'\\]"):
+        load_drafter(out, target_fingerprint=target.target_fingerprint, template_fingerprint=target.template_fingerprint,
+                     contract=dict(contract, layer_ids=[1, 2]), **shared)
+    weights = (out / "model.safetensors").read_bytes()
+    (out / "model.safetensors").write_bytes(weights[:-8] + b"\0" * 8)
+    with pytest.raises(InvalidDrafterError, match="does not match the sha256"):
+        load_drafter(out, target_fingerprint=target.target_fingerprint,
+                     template_fingerprint=target.template_fingerprint, **shared)
+    with pytest.raises(FileExistsError, match="immutable"):
+        export_checkpoint(tmp_path / "run", out)
+    trainer.loader.close()
+
+
+def test_bad_inputs(manifest, tmp_path):
+    eagle3 = _capture(tmp_path, algorithm="eagle3", name="eagle3", samples=4)
+    with pytest.raises(ContractMismatchError, match="algorithm: expected 'dflash', got 'eagle3'"):
+        build_trainer(_cfg(eagle3, tmp_path / "x"))
+    with pytest.raises(ConfigError, match="drafter.block_size: block_size must be >= 2"):
+        _cfg(manifest, tmp_path / "y", "drafter.block_size=1")
+    broken = _capture(tmp_path, name="broken", samples=8)
+    parsed = read_manifest(str(broken))
+    FeatureStore(parsed.store_uri).delete(parsed.refs[0].key)
+    trainer = build_trainer(_cfg(broken, tmp_path / "z", "optim.micro_batch_size=4"))
+    with pytest.raises(FeatureNotFoundError, match="no feature blob at key"):
+        trainer.fit(progress=False)
+    trainer.loader.close()

@@ -1,0 +1,138 @@
+"""DFlash objective (seed §4.3): random anchors, strict context boundary, position-weighted CE.
+
+Per sequence of a TrainBatch:
+
+1. **Anchors.** A position ``a`` can anchor a block iff ``loss_mask[a]`` and ``loss_mask[a+1]``
+   (the anchor is a real answer token — at inference it is the token the target just
+   produced — and the first prediction has a supervised label). Up to ``num_anchors`` are
+   drawn without replacement, uniformly, from a generator seeded by (seed, step, micro-batch
+   index), so a resumed run draws the same anchors.
+2. **Blocks** ``[x_a, MASK × (B−1)]`` at positions ``a … a+B−1``; the drafter sees target
+   context only at positions ``< a`` (``drafters/dflash.py::block_attention_mask``).
+3. **Loss.** Block position ``j = 1 … m`` predicts ``x[a+j]``, supervised where ``a+j`` is in the
+   sequence and ``loss_mask[a+j]`` (``M``)::
+
+       L = − Σ_{n,j} M_{n,j} w_j log q_{n,j}(x_{a_n+j}) / Σ_{n,j} M_{n,j} w_j,   w_j = exp(−(j−1)/γ)
+
+   ``γ`` (``gamma``) is the decay scale of the position weights, named apart from the block
+   size on purpose: early mistakes waste the whole suffix, so early positions weigh more.
+   DFlash's published settings grow it with the block (4 for B = 8, 5 for 10, 7 for 16);
+   the default here is 4 for the default B = 8.
+
+Metrics are returned as sums (so they add over micro-batches, steps and ranks): per position
+``j`` the supervised count, correct top-1 count and CE sum, plus the teacher-forced accepted
+length: the number of leading positions whose top-1 is correct, per block (``tau_tf − 1``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specray.drafters.dflash import DFlashConfig, DFlashDrafter
+from specray.trainer.loader import TrainBatch
+
+
+def valid_anchor_mask(loss_mask: torch.Tensor) -> torch.Tensor:
+    """[Bt, T] bool: positions whose token and next token are both supervised."""
+    valid = torch.zeros_like(loss_mask)
+    valid[:, :-1] = loss_mask[:, :-1] & loss_mask[:, 1:]
+    return valid
+
+
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
+    """[Bt, N] sorted anchor positions, −1 where a sequence has fewer than N valid anchors."""
+    valid = valid_anchor_mask(loss_mask)
+    anchors = torch.full((loss_mask.shape[0], num_anchors), -1, dtype=torch.long)
+    for row in range(loss_mask.shape[0]):
+        candidates = valid[row].nonzero().flatten()
+        if len(candidates) > num_anchors:
+            pick = torch.randperm(len(candidates), generator=generator)[:num_anchors]
+            candidates = candidates[pick].sort().values
+        anchors[row, : len(candidates)] = candidates
+    return anchors
+
+
+def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, block_size: int):
+    """Labels [Bt, N, m] (token at anchor + j, j = 1..m) and their supervision mask M [Bt, N, m]."""
+    Bt, T = input_ids.shape
+    offsets = torch.arange(1, block_size, device=anchors.device)
+    pos = anchors[..., None] + offsets  # [Bt, N, m]
+    inside = (anchors[..., None] >= 0) & (pos < T)
+    pos = pos.clamp(0, T - 1)
+    labels = torch.gather(input_ids, 1, pos.flatten(1)).view_as(pos)
+    supervised = torch.gather(loss_mask, 1, pos.flatten(1)).view_as(pos) & inside
+    return labels, supervised
+
+
+def position_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """w_j = exp(−(j−1)/γ) for j = 1..m."""
+    return torch.exp(-torch.arange(block_size - 1, dtype=torch.float32) / gamma)
+
+
+def weighted_block_ce(logits: torch.Tensor, labels: torch.Tensor, supervised: torch.Tensor, weights: torch.Tensor):
+    """Seed §4.3 loss. logits [Bt, N, m, V]; labels/supervised [Bt, N, m]; weights [m].
+
+    Returns (loss, per-token CE [Bt, N, m]).
+    """
+    ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view_as(labels)
+    w = weights.to(logits.device)[None, None, :] * supervised
+    denom = w.sum()
+    loss = (ce * w).sum() / denom if denom > 0 else logits.sum() * 0.0
+    return loss, ce
+
+
+class DFlashStrategy:
+    """Builds the DFlash drafter and computes its loss and metrics on a TrainBatch."""
+
+    algorithm = "dflash"
+
+    def __init__(self, *, num_anchors: int = 16, gamma: float = 4.0, seed: int = 0):
+        if num_anchors < 1:
+            raise ValueError(f"objective.num_anchors must be >= 1, got {num_anchors}")
+        if gamma <= 0:
+            raise ValueError(f"objective.gamma must be positive, got {gamma}")
+        self.num_anchors = num_anchors
+        self.gamma = gamma
+        self.seed = seed
+
+    def build_model(self, config: DFlashConfig, *, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> DFlashDrafter:
+        return DFlashDrafter(config, embed_tokens=embed_tokens, lm_head=lm_head)
+
+    def generator(self, step: int, micro_index: int) -> torch.Generator:
+        return torch.Generator().manual_seed(self.seed * 1_000_003 + step * 1_009 + micro_index)
+
+    def forward_loss(self, model: nn.Module, config: DFlashConfig, batch: TrainBatch, generator: torch.Generator):
+        """(loss, metric sums) for one micro-batch; ``model`` may be DDP-wrapped."""
+        B = config.block_size
+        anchors = sample_anchors(batch.loss_mask, self.num_anchors, generator)  # [Bt, N]
+        anchor_ids = torch.gather(batch.input_ids, 1, anchors.clamp(min=0))
+        logits = model(batch.hidden_states, batch.attention_mask, anchor_ids, anchors)  # [Bt, N, m, V]
+        labels, supervised = block_labels(batch.input_ids, batch.loss_mask, anchors, B)
+        loss, ce = weighted_block_ce(logits, labels, supervised, position_weights(B, self.gamma))
+        with torch.no_grad():
+            correct = (logits.argmax(-1) == labels) & supervised
+            # leading run of correct predictions per block (blocks with a first label only)
+            accepted = torch.cumprod(correct.long(), dim=-1).sum(-1)
+            has_first = supervised[..., 0]
+            metrics = {
+                "count": supervised.sum((0, 1)).double(),  # [m]
+                "correct": correct.sum((0, 1)).double(),  # [m]
+                "ce": (ce.detach() * supervised).sum((0, 1)).double(),  # [m]
+                "blocks": has_first.sum().double().reshape(1),
+                "accepted": (accepted * has_first).sum().double().reshape(1),
+            }
+        return loss, metrics
+
+    @staticmethod
+    def summarize(sums: dict[str, torch.Tensor]) -> dict:
+        """Turn accumulated sums into per-position accuracy/loss and teacher-forced tau."""
+        count = sums["count"].clamp(min=1)
+        blocks = sums["blocks"].clamp(min=1)
+        return {
+            "acc_by_pos": (sums["correct"] / count).tolist(),
+            "ce_by_pos": (sums["ce"] / count).tolist(),
+            "acc": float(sums["correct"].sum() / count.sum()),
+            "tau_tf": float(1 + sums["accepted"].sum() / blocks.sum()),
+        }
