@@ -5,6 +5,7 @@
     specray export runs/train-dflash-quickstart [--out DIR]
     specray inspect runs/capture-quickstart/manifest.parquet [--verify]
     specray bench capture --json bench/capture.json [-c CONFIG] [--repeats 3] [overrides …]
+    specray bench train --json bench/train.json [-c CONFIG] [overrides …]
 
 Config mistakes, bad data and bad paths exit with status 2 and a one-paragraph message that
 names the field and the fix; ``inspect --verify`` lists every missing or corrupt blob and
@@ -81,13 +82,21 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from specray.pipeline.bench import BENCH_CAPTURE_DEFAULTS, bench_capture, capture_table, write_json
+    from specray.pipeline import bench
+    from specray.pipeline.config import TrainJobConfig
 
-    cfg = load_config(CaptureJobConfig, args.config, BENCH_CAPTURE_DEFAULTS + args.overrides)
-    result = bench_capture(cfg, repeats=args.repeats)
+    if args.benchmark == "capture":
+        cfg = load_config(CaptureJobConfig, args.config, bench.BENCH_CAPTURE_DEFAULTS + args.overrides)
+        result = bench.bench_capture(cfg, repeats=args.repeats)
+        table = bench.capture_table(result)
+    else:
+        overrides = ["data.manifest=auto"] + bench.BENCH_TRAIN_DEFAULTS + args.overrides
+        cfg = load_config(TrainJobConfig, args.config, overrides)
+        result = bench.bench_train(cfg)
+        table = bench.train_table(result)
     result["command"] = "specray " + " ".join(args.argv)
-    write_json(result, args.json)
-    print(capture_table(result))
+    bench.write_json(result, args.json)
+    print(table)
     if args.json:
         print(f"wrote {args.json}")
     return 0
@@ -128,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench_capture.add_argument("--repeats", type=int, default=3)
     bench_capture.add_argument("overrides", nargs="*", metavar="section.field=value")
     bench_capture.set_defaults(fn=_cmd_bench)
+    bench_train = bench_sub.add_parser("train", help="training tokens/s and step time split")
+    bench_train.add_argument("--json", help="write the result here")
+    bench_train.add_argument("-c", "--config", help="train YAML to start from (default: the quickstart recipe's settings)")
+    bench_train.add_argument("overrides", nargs="*", metavar="section.field=value")
+    bench_train.set_defaults(fn=_cmd_bench)
     return parser
 
 

@@ -218,7 +218,11 @@ class FeatureLoader:
             self._fill()
             head, future = self._pending.popleft()
             assert head == cursor, f"prefetch queue out of step: {head} != {cursor}"
-            batch = future.result()  # re-raises FeatureChecksumError of this batch's blobs
+            try:
+                batch = future.result()  # re-raises FeatureChecksumError of this batch's blobs
+            except BaseException:
+                self._discard_prefetch()  # a retry refetches this very batch (position is unchanged)
+                raise
         self._epoch, self._position = self._advance(cursor)
         if self._pool is not None:
             self._fill()

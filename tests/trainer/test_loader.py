@@ -243,6 +243,8 @@ def test_corrupt_blob_raises_naming_the_key(dflash, tmp_path):
             for _ in range(NUM_SAMPLES):
                 read += loader.next_batch().sample_ids
         assert loader.position == len(read), "the corrupt batch is not counted as read"
+        with pytest.raises(FeatureChecksumError, match=re.escape(victim.key)):
+            loader.next_batch()  # a retry meets the same blob again, never skips it
     assert victim.sample_id not in read and read == _perm_ids(dflash, 0, 0)[: len(read)]
 
 
