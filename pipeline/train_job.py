@@ -73,7 +73,8 @@ def build_trainer(cfg: TrainJobConfig, *, rank: int = 0, world_size: int = 1) ->
     model_cfg = drafter_config(cfg, target, expected.layer_ids)
     strategy = strategy_cls(num_anchors=cfg.objective.num_anchors, gamma=cfg.objective.gamma, seed=cfg.optim.seed)
     torch.manual_seed(cfg.optim.seed)  # identical initial weights on every rank
-    model = strategy.build_model(model_cfg, embed_tokens=target.model.model.embed_tokens, lm_head=target.model.lm_head)
+    model = strategy.build_model(model_cfg, embed_tokens=target.model.model.embed_tokens,
+                                 lm_head=target.model.lm_head, final_norm=target.model.model.norm)
     loader = FeatureLoader(
         manifest, store, micro_batch_size=cfg.optim.micro_batch_size, seed=cfg.optim.seed,
         rank=rank, world_size=world_size, expected=expected, max_length=cfg.data.max_length,

@@ -97,8 +97,20 @@ class DFlashStrategy:
         self.gamma = gamma
         self.seed = seed
 
-    def build_model(self, config: DFlashConfig, *, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> DFlashDrafter:
-        return DFlashDrafter(config, embed_tokens=embed_tokens, lm_head=lm_head)
+    def build_model(self, config: DFlashConfig, *, embed_tokens: nn.Embedding, lm_head: nn.Linear,
+                    final_norm: nn.Module | None = None) -> DFlashDrafter:
+        """A fresh drafter whose first logits are near-uniform.
+
+        At init every MASK row's hidden state is dominated by the MASK embedding, so a unit-scale
+        final norm makes the shared LM head confidently predict tokens that look like MASK
+        (initial CE far above log V). Starting the final norm at a tenth of the target's keeps
+        the first logits small; the norm learns its scale back within a few steps.
+        """
+        model = DFlashDrafter(config, embed_tokens=embed_tokens, lm_head=lm_head)
+        if final_norm is not None:
+            with torch.no_grad():
+                model.norm.weight.copy_(final_norm.weight * 0.1)
+        return model
 
     def generator(self, step: int, micro_index: int) -> torch.Generator:
         return torch.Generator().manual_seed(self.seed * 1_000_003 + step * 1_009 + micro_index)
