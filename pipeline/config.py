@@ -96,7 +96,15 @@ class OutputConfig(Section):
     overwrite: bool = Field(False, description="replace an existing manifest of the same run (deletes its features)")
 
 
-class CaptureJobConfig(Section):
+class JobConfig(Section):
+    """A run: its ``name`` and an ``output`` section with an optional ``run_dir``."""
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output.run_dir or Path("runs") / self.name)
+
+
+class CaptureJobConfig(JobConfig):
     """``specray capture``: render a dataset, capture features, write a manifest."""
 
     name: str = Field("capture", description="run name; the default run dir is runs/<name>")
@@ -105,10 +113,6 @@ class CaptureJobConfig(Section):
     capture: CaptureConfig = CaptureConfig()
     store: StoreConfig = StoreConfig()
     output: OutputConfig = OutputConfig()
-
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.output.run_dir or Path("runs") / self.name)
 
     @property
     def store_uri(self) -> str:
@@ -226,7 +230,7 @@ class TrainOutputSection(Section):
     resume: bool = Field(True, description="continue from the run dir's latest checkpoint if there is one")
 
 
-class TrainJobConfig(Section):
+class TrainJobConfig(JobConfig):
     """``specray train``: train a drafter on a captured manifest."""
 
     name: str = Field("train", description="run name; the default run dir is runs/<name>")
@@ -237,7 +241,3 @@ class TrainJobConfig(Section):
     optim: OptimSection = OptimSection()
     trainer: TrainerSection = TrainerSection()
     output: TrainOutputSection = TrainOutputSection()
-
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.output.run_dir or Path("runs") / self.name)
