@@ -44,5 +44,5 @@ def test_short_run_on_smollm2_features_learns(tmp_path):
     trainer.fit(progress=False)
     after = _evaluate(trainer, held)
     trainer.loader.close()
-    assert after["loss"] < before["loss"] - 1.0, (before, after)
-    assert after["acc_by_pos"][0] > max(0.03, 4 * before["acc_by_pos"][0]), (before, after)
+    assert after["loss"] < before["loss"] - 2.0, (before, after)
+    assert after["acc_by_pos"][0] > max(0.08, 4 * before["acc_by_pos"][0]), (before, after)
