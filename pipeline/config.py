@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from specray.capture.contract import CONTRACT_SPECS, STORAGE_DTYPES
 from specray.capture.data import DATASETS
-from specray.capture.target import DEFAULT_TARGET, DTYPES
+from specray.capture.target import DEFAULT_TARGET
 
 
 class ConfigError(ValueError):

@@ -14,7 +14,6 @@ import json
 import os
 import socket
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
