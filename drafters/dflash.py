@@ -23,6 +23,16 @@ Mask (``block_attention_mask``), per query of the block anchored at ``a``:
   block) and only the last ``sliding_window`` context positions before the anchor;
 - nothing of any other block.
 
+**Block-key bias (our addition, not in the seed or the DFlash reference).** Each head adds a
+learned logit bias (initialised to ``block_key_bias``, default 4) to the keys of its own block.
+Without it, at initialisation a MASK query spreads its attention uniformly over hundreds of
+context keys, so the anchor — the one key that says which token the block continues — gets a
+1/S share of the gradient and is found very slowly: on a synthetic task whose next token is a
+function of the anchor, a 1-layer drafter reaches 50 % position-1 accuracy in 300 steps with
+16 context positions but stays at chance with 256; with the bias it learns as fast at 256 as
+at 16. The bias only re-weights keys the mask already allows, so the context rule
+(``k < anchor``) and the block rule are unchanged.
+
 The same module serves training (many blocks per sequence, ``forward``) and serving (one block
 per request over cached context K/V, ``context_kv`` + ``forward_block``).
 
@@ -58,6 +68,7 @@ class DFlashConfig:
     sliding_window: int | None = None  # context positions visible in "sliding" mode
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    block_key_bias: float = 4.0  # initial value of the learned per-head logit bias on in-block keys
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))
@@ -127,6 +138,7 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(H * hd, D, bias=False)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.block_key_bias = nn.Parameter(torch.full((H,), float(cfg.block_key_bias)))
 
     def project_kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of ``x`` [Bt, T, D] at ``positions`` [Bt, T] -> ([Bt, Hkv, T, hd], [Bt, Hkv, T, hd])."""
@@ -145,7 +157,11 @@ class DFlashAttention(nn.Module):
         v = torch.cat([ctx_v, v_d], dim=2)
         groups = self.cfg.num_heads // self.cfg.num_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])  # [Bt, H, Q, hd]
+        S = ctx_k.shape[2]
+        bias = torch.zeros(self.cfg.num_heads, 1, S + Q, dtype=q.dtype, device=q.device)
+        bias[:, :, S:] = self.block_key_bias.to(q.dtype)[:, None, None]  # in-block keys only
+        logit_bias = bias[None].masked_fill(~mask[:, None], float("-inf"))  # [Bt, H, Q, S + Q]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=logit_bias)  # [Bt, H, Q, hd]
         return self.o_proj(out.transpose(1, 2).reshape(Bt, Q, -1))
 
 

@@ -104,3 +104,44 @@ def test_bad_configs():
     with pytest.raises(ValueError, match="build the config from this target"):
         DFlashDrafter(cfg, embed_tokens=nn.Embedding(V + 1, D), lm_head=nn.Linear(D, V + 1))
     assert DFlashConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_drafter_finds_the_anchor_through_a_long_context():
+    """The next token is a function of the anchor; 256 noise context positions must not hide it.
+
+    Guards the block-key bias: without it this 1-layer drafter stays at chance here (the anchor
+    gets a 1/S share of attention at init), with it position-1 accuracy passes 0.8.
+    """
+    from specray.trainer.loader import TrainBatch
+    from specray.trainer.strategies.dflash import DFlashStrategy
+
+    torch.manual_seed(0)
+    V_, D_, S, Bt = 64, 64, 256, 4
+    embed = nn.Embedding(V_, D_)
+    nn.init.normal_(embed.weight, std=0.136)  # SmolLM2's embedding scale
+    embed.requires_grad_(False)
+    head = nn.Linear(D_, V_, bias=False)
+    head.weight = embed.weight
+    cfg = DFlashConfig(hidden_size=D_, vocab_size=V_, target_layer_ids=(1,), mask_token_id=0, num_layers=1,
+                       num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, block_size=4)
+    strategy = DFlashStrategy(num_anchors=8)
+    model = strategy.build_model(cfg, embed_tokens=embed, lm_head=head)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    correct = count = 0
+    for step in range(250):
+        x = torch.zeros(Bt, S, dtype=torch.long)
+        x[:, 0] = torch.randint(1, V_, (Bt,), generator=g)
+        for t in range(1, S):
+            x[:, t] = (x[:, t - 1] * 7 + 3) % V_
+        ones = torch.ones(Bt, S, dtype=torch.bool)
+        batch = TrainBatch(input_ids=x, loss_mask=ones, attention_mask=ones, hidden_states=torch.randn(Bt, S, D_, generator=g),
+                           last_hidden_states=None, sample_ids=[""] * Bt, num_tokens=Bt * S)
+        loss, metrics = strategy.forward_loss(model, cfg, batch, strategy.generator(step, 0))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step >= 230:
+            correct += float(metrics["correct"][0])
+            count += float(metrics["count"][0])
+    assert correct / count > 0.8
