@@ -31,6 +31,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import importlib.util
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,9 +188,9 @@ DATASETS: dict[str, DatasetSpec] = {
 
 
 def load_conversations(
-    name: str, *, purpose: Literal["train", "eval"] = "train", limit: int | None = None
+    name: str, *, purpose: Literal["train", "eval"] = "train", limit: int | None = None, skip: int = 0
 ) -> Iterator[Conversation]:
-    """Iterate a dataset by name; see the module docstring for names and splits."""
+    """Iterate a dataset by name (after skipping ``skip`` conversations); see the module docstring."""
     if name.startswith("jsonl:"):
         source = _load_jsonl(name.removeprefix("jsonl:"))
     elif name in DATASETS:
@@ -202,7 +203,7 @@ def load_conversations(
         source = spec.load()
     else:
         raise ValueError(f"unknown dataset {name!r}; valid: {sorted(DATASETS)} or 'jsonl:PATH'")
-    for n, conversation in enumerate(source):
+    for n, conversation in enumerate(itertools.islice(source, skip, None)):
         if limit is not None and n >= limit:
             return
         yield conversation

@@ -73,7 +73,7 @@ def contract_for(target: Target, cfg: CaptureJobConfig) -> CaptureContract:
 def render_dataset(target: Target, cfg: CaptureJobConfig) -> tuple[list[RenderedSample], dict[str, int]]:
     renderer = ChatRenderer(target.tokenizer, max_length=cfg.data.max_length, truncation=cfg.data.truncation)
     samples = []
-    for conversation in load_conversations(cfg.data.dataset, purpose="train", limit=cfg.data.max_samples):
+    for conversation in load_conversations(cfg.data.dataset, purpose="train", limit=cfg.data.max_samples, skip=cfg.data.skip):
         sample = renderer.render(conversation)
         if sample is not None:
             samples.append(sample)

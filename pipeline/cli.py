@@ -3,6 +3,7 @@
     specray capture -c manifests/capture-quickstart.yaml [section.field=value …]
     specray train -c manifests/train-dflash-quickstart.yaml [section.field=value …]
     specray export runs/train-dflash-quickstart [--out DIR]
+    specray evaluate EXPORT_DIR --manifest runs/<held-out capture>/manifest.parquet
     specray inspect runs/capture-quickstart/manifest.parquet [--verify]
     specray bench capture --json bench/capture.json [-c CONFIG] [--repeats 3] [overrides …]
     specray bench train --json bench/train.json [-c CONFIG] [overrides …]
@@ -16,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from specray.capture.contract import ContractMismatchError
+from specray.capture.target import DEFAULT_TARGET
 from specray.pipeline.config import CaptureJobConfig, ConfigError, load_config
 
 USER_ERRORS = (ConfigError, ContractMismatchError, ValueError, FileExistsError, FileNotFoundError)
@@ -47,6 +50,22 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     out = export_checkpoint(args.checkpoint, args.out)
     print(f"exported   {out}")
+    return 0
+
+
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    import json
+
+    from specray.pipeline.train_job import evaluate_export
+
+    result = evaluate_export(args.export, args.manifest, target_name=args.target, endpoint_url=args.endpoint_url,
+                             num_anchors=args.num_anchors)
+    acc = " ".join(f"{a:.3f}" for a in result["acc_by_pos"])
+    print(f"samples    {result['samples']} ({result['blocks']} blocks)\nloss       {result['loss']:.4f}\n"
+          f"acc by pos {acc}\ntau_tf     {result['tau_tf']:.3f}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 
@@ -122,6 +141,15 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", help="a run dir (its latest checkpoint), a checkpoints dir, or a step-* dir")
     export.add_argument("--out", default=None, help="export directory (default <run_dir>/exports/step-N)")
     export.set_defaults(fn=_cmd_export)
+
+    evaluate = sub.add_parser("evaluate", help="teacher-forced per-position accuracy of an export on a manifest")
+    evaluate.add_argument("export", help="an exported drafter directory")
+    evaluate.add_argument("--manifest", required=True, help="features to evaluate on (use a held-out capture)")
+    evaluate.add_argument("--target", default=DEFAULT_TARGET, help="the target the export was trained for")
+    evaluate.add_argument("--num-anchors", type=int, default=64, help="blocks per sample")
+    evaluate.add_argument("--endpoint-url", default=None)
+    evaluate.add_argument("--json", help="also write the result here")
+    evaluate.set_defaults(fn=_cmd_evaluate)
 
     inspect = sub.add_parser("inspect", help="summarise a manifest; --verify re-reads every blob")
     inspect.add_argument("manifest")

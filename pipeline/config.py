@@ -35,6 +35,7 @@ class TargetConfig(Section):
 
 class DataConfig(Section):
     dataset: str = Field("sharegpt", description="sharegpt, or jsonl:PATH (mtbench/humaneval are eval-only)")
+    skip: int = Field(0, ge=0, description="skip the first N conversations (e.g. a held-out slice after a training slice)")
     max_samples: int | None = Field(None, gt=0, description="use at most this many conversations (None = all)")
     max_length: int = Field(2048, gt=0, description="maximum tokens per rendered sample")
     truncation: Literal["truncate", "drop"] = Field(

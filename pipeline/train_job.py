@@ -164,3 +164,22 @@ def run_training(cfg: TrainJobConfig, *, progress: bool = True) -> TrainSummary:
     mp.spawn(_spawned, args=(cfg, world_size, port, progress), nprocs=world_size, join=True)
     train = json.loads((cfg.run_dir / "train.json").read_text())
     return TrainSummary(**train)
+
+
+def evaluate_export(export_dir: str, manifest_uri: str, *, target_name: str, endpoint_url: str | None = None,
+                    num_anchors: int = 64) -> dict:
+    """Teacher-forced metrics of an exported drafter on every sample of a manifest."""
+    from specray.drafters.format import load_drafter, read_drafter_config
+    from specray.trainer.evaluate import evaluate
+
+    manifest = read_manifest(manifest_uri, endpoint_url=endpoint_url)
+    target = load_target(target_name)
+    contract = json.loads(manifest.contract.to_json())
+    model = load_drafter(export_dir, embed_tokens=target.model.model.embed_tokens, lm_head=target.model.lm_head,
+                         target_fingerprint=target.target_fingerprint,
+                         template_fingerprint=target.template_fingerprint, contract=contract)
+    strategy = get_strategy(read_drafter_config(export_dir)["algorithm"])(num_anchors=num_anchors)
+    store = FeatureStore(manifest.store_uri, endpoint_url=endpoint_url)
+    with FeatureLoader(manifest, store, micro_batch_size=1, seed=0) as loader:
+        result = evaluate(model, model.config, strategy, loader, num_batches=len(manifest.refs))
+    return {"export": str(export_dir), "manifest": manifest_uri, "samples": len(manifest.refs), **result}

@@ -137,3 +137,10 @@ def test_bad_inputs(debug_target, tmp_path):
         ChatRenderer(debug_target.tokenizer, max_length=0)
     with pytest.raises(ValueError, match="conversation 'e' is empty"):
         ChatRenderer(debug_target.tokenizer, max_length=8).render(Conversation("e", ()))
+
+
+def test_skip_gives_the_slice_after_a_training_slice():
+    first = [c.id for c in load_conversations("sharegpt", limit=5)]
+    after = [c.id for c in load_conversations("sharegpt", limit=3, skip=5)]
+    assert len(after) == 3 and not set(first) & set(after)
+    assert [c.id for c in load_conversations("sharegpt", limit=8)] == first + after

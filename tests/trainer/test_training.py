@@ -125,6 +125,21 @@ def test_export_round_trip_and_fingerprint_check(manifest, tmp_path):
     trainer.loader.close()
 
 
+def test_evaluate_cli_reports_teacher_forced_metrics(manifest, tmp_path, capsys):
+    from specray.pipeline.cli import main
+
+    run_training(_cfg(manifest, tmp_path / "run", "optim.total_steps=3"), progress=False)
+    out = export_checkpoint(tmp_path / "run", tmp_path / "export")
+    assert main(["evaluate", str(out), "--manifest", str(manifest), "--target", "debug",
+                 "--json", str(tmp_path / "eval.json")]) == 0
+    result = json.loads((tmp_path / "eval.json").read_text())
+    assert result["samples"] == len(read_manifest(str(manifest)).refs)
+    assert len(result["acc_by_pos"]) == 7 and result["blocks"] > 0 and 1.0 <= result["tau_tf"] <= 8.0
+    assert "tau_tf" in capsys.readouterr().out
+    assert main(["evaluate", str(out), "--manifest", str(manifest), "--target", "debug:1"]) == 2
+    assert "trained for another target" in capsys.readouterr().err
+
+
 def test_bad_inputs(manifest, tmp_path):
     eagle3 = _capture(tmp_path, algorithm="eagle3", name="eagle3", samples=4)
     with pytest.raises(ContractMismatchError, match="algorithm: expected 'dflash', got 'eagle3'"):
