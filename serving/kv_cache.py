@@ -1,0 +1,77 @@
+"""Slot KV cache with an explicit commit (DESIGN.md §2, §7; seed §8.1).
+
+Each request owns a slot: a preallocated ``[max_len]`` strip of K/V rows per layer. A forward
+writes the rows it runs at positions ``committed[slot] …`` as *scratch*; only ``commit(slot, r)``
+makes the first ``r`` of them part of the request's context. Rows past the committed length are
+never read as context: a query at position ``p`` attends to committed rows and to rows of its
+own forward at positions ``<= p`` (``attention_mask``), so a rejected draft row is invisible
+from the next round on, and is overwritten by it.
+
+After a DFlash round that verified ``[a, d1 … dm]`` and accepted ``r`` drafts, the worker calls
+``commit(slot, r + 1)``: the KV of ``[a, d1 … dr]``. The correction/bonus token has no KV yet;
+it is the next round's anchor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SlotKVCache:
+    def __init__(self, *, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, Hkv, max_len, hd]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.committed = torch.zeros(num_slots, dtype=torch.long)  # [slots] rows of trusted context
+        self.in_use = torch.zeros(num_slots, dtype=torch.bool)
+        self.max_len = max_len
+
+    @property
+    def num_slots(self) -> int:
+        return self.committed.numel()
+
+    def allocate(self) -> int:
+        free = (~self.in_use).nonzero()
+        if free.numel() == 0:
+            raise RuntimeError("no free KV slot; the scheduler admits at most num_slots requests")
+        slot = int(free[0])
+        self.in_use[slot] = True
+        self.committed[slot] = 0
+        return slot
+
+    def release(self, slot: int) -> None:
+        self.in_use[slot] = False
+        self.committed[slot] = 0
+
+    def write(self, layer: int, slots: torch.Tensor, start: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Scratch-write ``k, v`` [B, Hkv, T, hd] at positions ``start[b] + t`` of each slot."""
+        T = k.shape[2]
+        if int((start + T).max()) > self.max_len:
+            raise ValueError(f"request exceeds the KV capacity of {self.max_len} positions")
+        for b, slot in enumerate(slots.tolist()):
+            s = int(start[b])
+            self.k[layer, slot, :, s : s + T] = k[b]
+            self.v[layer, slot, :, s : s + T] = v[b]
+
+    def read(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V rows ``[0, length)`` of ``slots``: ([B, Hkv, length, hd], same)."""
+        return self.k[layer, slots, :, :length], self.v[layer, slots, :, :length]
+
+    def commit(self, slot: int, num_rows: int) -> None:
+        """Make the next ``num_rows`` scratch rows of ``slot`` trusted context."""
+        if num_rows < 0 or int(self.committed[slot]) + num_rows > self.max_len:
+            raise ValueError(f"cannot commit {num_rows} rows to slot {slot} at length {int(self.committed[slot])}")
+        self.committed[slot] += num_rows
+
+
+def attention_mask(start: torch.Tensor, num_new: torch.Tensor, T: int, length: int) -> torch.Tensor:
+    """[B, T, length] bool: query t of request b (position start[b] + t) sees keys at positions
+    ``<= start[b] + t``; padded queries (t >= num_new[b]) see only position 0 (kept finite)."""
+    q_pos = start[:, None] + torch.arange(T)[None, :]  # [B, T]
+    k_pos = torch.arange(length)
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]
+    padded = torch.arange(T)[None, :] >= num_new[:, None]
+    mask[padded] = False
+    mask[..., 0] |= padded
+    return mask

@@ -1,0 +1,91 @@
+import pytest
+import torch
+
+from specray.serving.runner import LlamaRunner
+
+
+def _prompt(target, text):
+    ids = target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                               tokenize=True, return_dict=True)["input_ids"]
+    return torch.tensor(ids)
+
+
+def _reference(target, ids):
+    with torch.inference_mode():
+        out = target.model(input_ids=ids[None], output_hidden_states=True)
+    return out.logits[0], out.hidden_states
+
+
+def _check_runner_matches_transformers(target, atol):
+    runner = LlamaRunner(target.model, num_slots=3, max_len=512, capture_layer_ids=(1, 3))
+    prompts = [_prompt(target, "Hi"), _prompt(target, "Tell me a long story about a dragon, please.")]
+    slots = torch.tensor([runner.cache.allocate(), runner.cache.allocate()])
+    T = max(len(p) for p in prompts)
+    ids = torch.zeros(2, T, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = p
+    out = runner.forward(ids, slots, torch.tensor([len(p) for p in prompts]))
+    for b, p in enumerate(prompts):
+        logits, hs = _reference(target, p)
+        torch.testing.assert_close(out.logits[b, : len(p)], logits, atol=atol, rtol=1e-4)
+        torch.testing.assert_close(out.hidden[3][b, : len(p)], hs[4][0], atol=atol, rtol=1e-4)
+        runner.cache.commit(int(slots[b]), len(p))
+    # two decode steps of one row each, continuing both requests from their own lengths
+    seqs = [p.clone() for p in prompts]
+    for _ in range(2):
+        nxt = torch.stack([torch.tensor([int(s[-1]) * 7 % 200 + 20]) for s in seqs])  # any tokens
+        out = runner.forward(nxt, slots, torch.tensor([1, 1]))
+        for b in range(2):
+            seqs[b] = torch.cat([seqs[b], nxt[b]])
+            logits, _ = _reference(target, seqs[b])
+            torch.testing.assert_close(out.logits[b, 0], logits[-1], atol=atol, rtol=1e-4)
+            runner.cache.commit(int(slots[b]), 1)
+
+
+def test_runner_matches_transformers_debug(debug_target):
+    _check_runner_matches_transformers(debug_target, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_runner_matches_transformers_smollm2(smollm2):
+    _check_runner_matches_transformers(smollm2, atol=2e-3)
+
+
+def test_uncommitted_rows_are_never_context(debug_target):
+    """After a rejection the cache equals one built from the accepted prefix alone."""
+    target = debug_target
+    prompt = _prompt(target, "Count: one two three")
+    drafts = torch.tensor([40, 41, 42, 43])
+    a = LlamaRunner(target.model, num_slots=1, max_len=256)
+    slot = torch.tensor([a.cache.allocate()])
+    a.forward(prompt[None], slot, torch.tensor([len(prompt)]))
+    a.cache.commit(0, len(prompt))
+    a.forward(drafts[None], slot, torch.tensor([4]))  # verify 4 rows...
+    a.cache.commit(0, 2)  # ...accept 2: rows 3 and 4 are rejected scratch
+    after_a = a.forward(torch.tensor([[99]]), slot, torch.tensor([1]))
+    a.cache.commit(0, 1)
+
+    b = LlamaRunner(target.model, num_slots=1, max_len=256)
+    b.cache.allocate()
+    prefix = torch.cat([prompt, drafts[:2]])
+    b.forward(prefix[None], slot, torch.tensor([len(prefix)]))
+    b.cache.commit(0, len(prefix))
+    after_b = b.forward(torch.tensor([[99]]), slot, torch.tensor([1]))
+    b.cache.commit(0, 1)
+    torch.testing.assert_close(after_a.logits, after_b.logits, atol=1e-5, rtol=1e-5)
+    n = len(prefix) + 1
+    for layer in range(len(a.layers)):
+        torch.testing.assert_close(a.cache.k[layer, 0, :, :n], b.cache.k[layer, 0, :, :n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.cache.v[layer, 0, :, :n], b.cache.v[layer, 0, :, :n], atol=1e-5, rtol=1e-5)
+    assert int(a.cache.committed[0]) == int(b.cache.committed[0]) == n
+
+
+def test_capacity_and_slot_errors(debug_target):
+    runner = LlamaRunner(debug_target.model, num_slots=1, max_len=8)
+    runner.cache.allocate()
+    with pytest.raises(RuntimeError, match="no free KV slot"):
+        runner.cache.allocate()
+    with pytest.raises(ValueError, match="exceeds the engine's max_len 8"):
+        runner.forward(torch.zeros(1, 9, dtype=torch.long), torch.tensor([0]), torch.tensor([9]))
+    with pytest.raises(ValueError, match="cannot commit"):
+        runner.cache.commit(0, 9)
