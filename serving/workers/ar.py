@@ -1,0 +1,39 @@
+"""Plain autoregressive decoding: the engine with no drafter. Each step runs the anchor row
+(the last emitted token), commits it, and samples the next token from the target."""
+
+from __future__ import annotations
+
+import torch
+
+from specray.serving.runner import LlamaRunner
+from specray.serving.sampling import process
+
+
+def sample_next(logits: torch.Tensor, params, generator: torch.Generator) -> int:
+    """One token from logits [V] under ``params`` (argmax when greedy)."""
+    if params.greedy:
+        return int(logits.argmax())
+    return int(torch.multinomial(process(logits, params), 1, generator=generator))
+
+
+class ARWorker:
+    rows_per_round = 1
+
+    def __init__(self, runner: LlamaRunner):
+        self.runner = runner
+
+    def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        lengths = torch.tensor([len(p) for p in prompts])
+        ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, : len(p)] = torch.tensor(p)
+        out = self.runner.forward(ids, torch.tensor(slots), lengths)
+        for slot, n in zip(slots, lengths.tolist()):
+            self.runner.cache.commit(slot, n)
+        return out.logits[torch.arange(len(slots)), lengths - 1]
+
+    def step(self, slots: list[int], anchors: list[int], params, generators) -> list[list[int]]:
+        out = self.runner.forward(torch.tensor(anchors)[:, None], torch.tensor(slots), torch.ones(len(slots), dtype=torch.long))
+        for slot in slots:
+            self.runner.cache.commit(slot, 1)
+        return [[sample_next(out.logits[b, 0], p, g)] for b, (p, g) in enumerate(zip(params, generators))]

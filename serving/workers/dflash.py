@@ -1,0 +1,114 @@
+"""DFlash speculative worker (seed §4.4, §8.1): propose a block, verify it in one target
+forward, accept, commit — one round per call of ``step``.
+
+State per request: ``n`` committed rows in both the target cache and the drafter's context
+cache (the projected target hidden of those rows, as K/V per draft layer), and the anchor ``a``
+(the last emitted token, which has no KV yet, at position ``n``).
+
+    propose  block [a, MASK × m] at positions n … n+m over context rows < n  -> d1 … dm (q)
+    verify   target forward on [a, d1 … dm]                                  -> m+1 rows of p
+    accept   greedy / rejection sampling (kernels/rejection.py)              -> r, x*
+    commit   target: rows [a, d1 … dr]; draft context: their target hidden   (r + 1 rows)
+
+The emitted tokens are ``[d1 … dr, x*]``; ``x*`` (correction or bonus) is the next anchor.
+Rejected rows stay as uncommitted scratch and are never read again.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specray.drafters.dflash import DFlashDrafter, block_attention_mask
+from specray.kernels.rejection import rejection_sample
+from specray.serving.kv_cache import SlotKVCache
+from specray.serving.runner import LlamaRunner
+from specray.serving.sampling import process
+
+
+class DFlashWorker:
+    def __init__(self, runner: LlamaRunner, drafter: DFlashDrafter):
+        cfg = drafter.config
+        if tuple(runner.capture_layer_ids) != tuple(cfg.target_layer_ids):
+            raise ValueError("the runner must capture the drafter's target layer ids")
+        self.runner, self.drafter, self.cfg = runner, drafter, cfg
+        cache = runner.cache
+        self.context = SlotKVCache(num_layers=cfg.num_layers, num_slots=cache.num_slots, max_len=cache.max_len,
+                                   num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                                   dtype=drafter.fc.weight.dtype)
+        self.block_size = cfg.block_size
+
+    @property
+    def rows_per_round(self) -> int:  # target rows verified per round (capacity planning)
+        return self.block_size
+
+    def _commit_context(self, slots: list[int], hidden: dict[int, torch.Tensor], rows: list[int]) -> None:
+        """Project the target hidden of each request's first ``rows[b]`` rows into draft K/V."""
+        feats = torch.cat([hidden[i] for i in self.cfg.target_layer_ids], dim=-1)  # [B, T, L*D]
+        start = self.context.committed[torch.tensor(slots)]
+        positions = start[:, None] + torch.arange(feats.shape[1])
+        with torch.inference_mode():
+            kv = self.drafter.context_kv(self.drafter.project_context(feats), positions)
+        for layer, (k, v) in enumerate(kv):
+            self.context.write(layer, torch.tensor(slots), start, k, v)
+        for slot, r in zip(slots, rows):
+            self.context.commit(slot, r)
+
+    def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        """Run the prompts, commit them in both caches; returns last-row logits [B, V]."""
+        ids, lengths = _pad(prompts)
+        out = self.runner.forward(ids, torch.tensor(slots), lengths)
+        self._commit_context(slots, out.hidden, lengths.tolist())
+        for slot, n in zip(slots, lengths.tolist()):
+            self.runner.cache.commit(slot, n)
+        return out.logits[torch.arange(len(slots)), lengths - 1]
+
+    @torch.inference_mode()
+    def propose(self, slots: list[int], anchors: list[int], params, generators):
+        """Draft m tokens per request; returns (drafts [B, m], q [B, m, V] or None per request)."""
+        n = self.context.committed[torch.tensor(slots)]  # [B] anchor positions
+        ctx_len = int(n.max())
+        ctx_kv = [self.context.read(layer, torch.tensor(slots), ctx_len) for layer in range(self.cfg.num_layers)]
+        block = self.drafter.block_inputs(torch.tensor(anchors)[:, None]).view(len(slots), self.block_size)
+        positions = n[:, None] + torch.arange(self.block_size)
+        valid = torch.arange(ctx_len)[None, :] < n[:, None]
+        mask = block_attention_mask(n[:, None], valid, self.block_size, self.cfg.attention, self.cfg.sliding_window)
+        logits = self.drafter.logits(self.drafter.forward_block(block, positions, ctx_kv, mask)[:, 1:])  # [B, m, V]
+        drafts, qs = [], []
+        for b, p in enumerate(params):
+            if p.greedy:
+                drafts.append(logits[b].argmax(-1))
+                qs.append(None)
+            else:
+                q = process(logits[b], p)  # the distribution the drafts are sampled from
+                drafts.append(torch.multinomial(q, 1, generator=generators[b]).squeeze(-1))
+                qs.append(q)
+        return torch.stack(drafts), qs
+
+    def step(self, slots: list[int], anchors: list[int], params, generators) -> list[list[int]]:
+        """One propose → verify → accept → commit round; returns the emitted tokens per request."""
+        drafts, qs = self.propose(slots, anchors, params, generators)
+        verify_ids = torch.cat([torch.tensor(anchors)[:, None], drafts], dim=1)  # [B, m + 1]
+        B, M = verify_ids.shape
+        out = self.runner.forward(verify_ids, torch.tensor(slots), torch.full((B,), M))
+        emitted, accepted_rows = [], []
+        for b, p in enumerate(params):
+            target = out.logits[b : b + 1].softmax(-1) if p.greedy else process(out.logits[b : b + 1], p)
+            tokens, count = rejection_sample(
+                target, drafts[b : b + 1], torch.tensor([M - 1]),
+                None if qs[b] is None else qs[b][None], generator=None if p.greedy else generators[b],
+            )
+            k = int(count[0])  # r + 1 tokens emitted, r drafts accepted
+            emitted.append(tokens[0, :k].tolist())
+            accepted_rows.append(k)  # commit [a, d1 … dr]: r + 1 rows
+        for slot, rows in zip(slots, accepted_rows):
+            self.runner.cache.commit(slot, rows)
+        self._commit_context(slots, out.hidden, accepted_rows)
+        return emitted
+
+
+def _pad(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = torch.tensor([len(s) for s in seqs])
+    ids = torch.zeros(len(seqs), int(lengths.max()), dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, : len(s)] = torch.tensor(s)
+    return ids, lengths

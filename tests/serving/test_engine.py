@@ -1,0 +1,168 @@
+"""Engine behaviour on the debug target: lossless greedy decoding with a (random) DFlash drafter,
+batching, stops, and bad input."""
+
+import pytest
+import torch
+from torch import nn
+
+from specray.drafters.dflash import DFlashConfig, DFlashDrafter
+from specray.drafters.format import save_drafter
+from specray.serving.engine import Engine
+from specray.serving.sampling import SamplingParams
+
+PROMPTS = ["Hi", "Tell me about dragons and castles.", "1 2 3 4 5 6", "A much longer prompt " * 6]
+
+
+@pytest.fixture(scope="module")
+def random_drafter(debug_target, tmp_path_factory):
+    """An untrained DFlash drafter for the debug target, exported like a trained one."""
+    from specray.capture.contract import build_contract
+
+    t = debug_target
+    contract = build_contract("dflash", target_fingerprint=t.target_fingerprint, template_fingerprint=t.template_fingerprint,
+                              num_target_layers=t.num_layers, hidden_size=t.hidden_size)
+    cfg = DFlashConfig(hidden_size=t.hidden_size, vocab_size=t.vocab_size, target_layer_ids=contract.layer_ids,
+                       mask_token_id=0, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                       block_size=4)
+    torch.manual_seed(0)
+    model = DFlashDrafter(cfg, embed_tokens=t.model.model.embed_tokens, lm_head=t.model.lm_head)
+    import json
+
+    out = tmp_path_factory.mktemp("drafter") / "export"
+    return save_drafter(out, model, contract=json.loads(contract.to_json()), provenance={"run": "random"})
+
+
+def _hf_greedy(target, ids, max_new):
+    with torch.inference_mode():
+        out = target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                    max_new_tokens=max_new, do_sample=False, pad_token_id=target.pad_token_id)
+    tokens = out[0, len(ids):].tolist()
+    eos = target.tokenizer.eos_token_id
+    return tokens[: tokens.index(eos)] if eos in tokens else tokens
+
+
+@pytest.mark.parametrize("use_drafter", [False, True])
+def test_greedy_equals_transformers_generate(debug_target, random_drafter, use_drafter):
+    engine = Engine(debug_target, str(random_drafter) if use_drafter else None, max_batch=3, max_len=512)
+    params = SamplingParams(max_tokens=40)
+    outputs = engine.generate(PROMPTS, params)
+    for out in outputs:
+        assert out.token_ids == _hf_greedy(debug_target, out.prompt_ids, 40)
+    if use_drafter:
+        assert all(out.rounds >= 1 for out in outputs)
+
+
+def test_batch_equals_each_request_alone(debug_target, random_drafter):
+    engine = Engine(debug_target, str(random_drafter), max_batch=4, max_len=512)
+    params = [SamplingParams(max_tokens=n) for n in (5, 17, 30, 9)]
+    together = engine.generate(PROMPTS, params)
+    alone = [engine.generate([p], [sp])[0] for p, sp in zip(PROMPTS, params)]
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    assert [len(o.token_ids) for o in together] == [5, 17, 30, 9]
+
+
+def test_sampling_is_seeded(debug_target, random_drafter):
+    engine = Engine(debug_target, str(random_drafter), max_batch=2, max_len=512)
+    p = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=7)
+    a = engine.generate(PROMPTS[:2], p)
+    b = engine.generate(PROMPTS[:2], p)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    c = engine.generate(PROMPTS[:2], SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=8))
+    assert [o.token_ids for o in a] != [o.token_ids for o in c]
+
+
+def test_stops_cut_inside_an_accepted_block(debug_target, random_drafter):
+    engine = Engine(debug_target, str(random_drafter), max_batch=1, max_len=512)
+    full = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=30))[0].token_ids
+    stop_at = full[6]
+    cut = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=30, stop_token_ids=(stop_at,)))[0]
+    assert cut.token_ids == full[: full.index(stop_at)] and cut.finish_reason == "stop"
+    exact = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=7))[0]
+    assert exact.token_ids == full[:7] and exact.finish_reason == "length"
+    text = debug_target.tokenizer.decode(full)
+    needle = text[10:13]
+    stopped = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=30, stop=(needle,)))[0]
+    assert stopped.text == text[: text.index(needle)] and stopped.finish_reason == "stop"
+
+
+def test_bad_requests_are_refused_and_the_engine_keeps_serving(debug_target, random_drafter):
+    engine = Engine(debug_target, str(random_drafter), max_batch=2, max_len=128)
+    for kwargs, message in [
+        ({"temperature": -1}, "temperature must be >= 0"),
+        ({"top_p": 0}, r"top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        ({"max_tokens": 0}, "max_tokens must be >= 1"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(**kwargs)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        engine.generate([[]], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="does not fit the engine's context of 128"):
+        engine.generate(["x" * 200], SamplingParams(max_tokens=4))
+    assert engine.generate(["Hi"], SamplingParams(max_tokens=4))[0].token_ids
+
+
+def test_drafter_of_another_target_is_refused(random_drafter):
+    from specray.capture.target import load_target
+    from specray.drafters.format import InvalidDrafterError
+
+    with pytest.raises(InvalidDrafterError, match="trained for another target"):
+        Engine(load_target("debug:1"), str(random_drafter))
+
+
+class OracleWorker:
+    """Wraps DFlashWorker; proposes the target's own greedy continuation with one corrupted
+    position per round (cycling), so rounds accept 0..m drafts and every path is exercised."""
+
+    def __init__(self, worker, target):
+        self.worker, self.target = worker, target
+        self.committed: dict[int, list[int]] = {}
+        self.round = 0
+        self.rows_per_round = worker.rows_per_round
+        self.context = worker.context
+        worker.propose = self.propose
+
+    def prefill(self, slots, prompts):
+        for slot, p in zip(slots, prompts):
+            self.committed[slot] = list(p)
+        return self.worker.prefill(slots, prompts)
+
+    def propose(self, slots, anchors, params, generators):
+        m = self.worker.block_size - 1
+        drafts = []
+        for slot, a in zip(slots, anchors):
+            cont = (_hf_greedy_raw(self.target, self.committed[slot] + [a], m) + [0] * m)[:m]
+            k = self.round % (m + 1)
+            if k < m:
+                cont[k] = (cont[k] + 1) % self.target.vocab_size
+            drafts.append(cont)
+        self.round += 1
+        return torch.tensor(drafts), [None] * len(slots)
+
+    def step(self, slots, anchors, params, generators):
+        emitted = self.worker.step(slots, anchors, params, generators)
+        for slot, a, tokens in zip(slots, anchors, emitted):
+            self.committed[slot] += [a] + tokens[:-1]
+        return emitted
+
+
+def _hf_greedy_raw(target, ids, max_new):
+    with torch.inference_mode():
+        out = target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                    max_new_tokens=max_new, do_sample=False, pad_token_id=target.pad_token_id)
+    return out[0, len(ids):].tolist()
+
+
+def test_accepted_blocks_are_lossless_and_committed(debug_target, random_drafter):
+    engine = Engine(debug_target, str(random_drafter), max_batch=2, max_len=512)
+    engine.worker = OracleWorker(engine.worker, debug_target)
+    outputs = engine.generate(PROMPTS[:2], SamplingParams(max_tokens=30))
+    for out in outputs:
+        assert out.token_ids == _hf_greedy(debug_target, out.prompt_ids, 30)
+        assert max(out.emitted_per_round) == 4 and min(out.emitted_per_round) == 1  # all and none accepted
+        assert out.tau > 1.5
+    # a stop token inside a fully accepted block cuts the output exactly there
+    full = outputs[1].token_ids
+    engine.worker = OracleWorker(engine.worker.worker, debug_target)
+    cut = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=30, stop_token_ids=(full[9],)))[0]
+    assert cut.token_ids == full[: full.index(full[9])]
