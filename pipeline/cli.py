@@ -4,6 +4,7 @@
     specray train -c manifests/train-dflash-quickstart.yaml [section.field=value …]
     specray export runs/train-dflash-quickstart [--out DIR]
     specray evaluate EXPORT_DIR --manifest runs/<held-out capture>/manifest.parquet
+    specray generate --drafter EXPORT_DIR --prompt "…" [--max-tokens 128] [--temperature 0]
     specray inspect runs/capture-quickstart/manifest.parquet [--verify]
     specray bench capture --json bench/capture.json [-c CONFIG] [--repeats 3] [overrides …]
     specray bench train --json bench/train.json [-c CONFIG] [overrides …]
@@ -66,6 +67,27 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import time
+
+    from specray.capture.target import load_target
+    from specray.serving.engine import Engine
+    from specray.serving.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    engine = Engine(load_target(args.target), args.drafter, max_batch=max(1, len(args.prompt)), max_len=args.max_len)
+    start = time.perf_counter()
+    outputs = engine.generate(args.prompt, params)
+    seconds = time.perf_counter() - start
+    for out in outputs:
+        print(out.text)
+        print(f"-- {len(out.token_ids)} tokens, finish={out.finish_reason}, tau={out.tau:.2f}, rounds={out.rounds}")
+    tokens = sum(len(o.token_ids) for o in outputs)
+    print(f"-- {tokens / seconds:.1f} tokens/s ({'DFlash ' + args.drafter if args.drafter else 'autoregressive'})")
     return 0
 
 
@@ -150,6 +172,18 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--endpoint-url", default=None)
     evaluate.add_argument("--json", help="also write the result here")
     evaluate.set_defaults(fn=_cmd_evaluate)
+
+    generate = sub.add_parser("generate", help="generate with the engine (a drafter makes it speculative)")
+    generate.add_argument("--prompt", action="append", required=True, help="a user message (repeat for a batch)")
+    generate.add_argument("--drafter", default=None, help="an exported drafter directory (omit for autoregressive)")
+    generate.add_argument("--target", default=DEFAULT_TARGET)
+    generate.add_argument("--max-tokens", type=int, default=128)
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--max-len", type=int, default=2048, help="KV capacity per request")
+    generate.set_defaults(fn=_cmd_generate)
 
     inspect = sub.add_parser("inspect", help="summarise a manifest; --verify re-reads every blob")
     inspect.add_argument("manifest")

@@ -166,3 +166,14 @@ def test_accepted_blocks_are_lossless_and_committed(debug_target, random_drafter
     engine.worker = OracleWorker(engine.worker.worker, debug_target)
     cut = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=30, stop_token_ids=(full[9],)))[0]
     assert cut.token_ids == full[: full.index(full[9])]
+
+
+def test_generate_cli(debug_target, random_drafter, capsys):
+    from specray.pipeline.cli import main
+
+    assert main(["generate", "--target", "debug", "--drafter", str(random_drafter), "--prompt", "Hi",
+                 "--max-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "tau=" in out and "tokens/s" in out and "8 tokens, finish=length" in out
+    assert main(["generate", "--target", "debug", "--prompt", "Hi", "--temperature", "-1"]) == 2
+    assert "temperature must be >= 0" in capsys.readouterr().err
