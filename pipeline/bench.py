@@ -17,6 +17,7 @@ ratio of the medians, and stored bytes/token next to the contract's minimum.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
@@ -203,4 +204,142 @@ def train_table(result: dict) -> str:
     lines.append(f"{'step':<10} {total:>8.3f}")
     lines.append(f"tokens/s {result['tokens_per_s']:.0f} (median of {result['steps_timed']} steps; "
                  f"micro-batch {result['micro_batch_size']} x {result['num_anchors']} anchors)")
+    return "\n".join(lines)
+
+
+def _median_time(fn: Callable[[], None], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _hf_generate(model, tokenizer, prompts: list[list[int]], max_tokens: int, **extra) -> list[list[int]]:
+    """transformers generate on a left-padded batch; returns new tokens up to EOS."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    longest = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), longest), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, longest - len(p):] = torch.tensor(p)
+        mask[b, longest - len(p):] = 1
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad, **extra)
+    results = []
+    for row in out[:, longest:].tolist():
+        results.append(row[: row.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in row else row)
+    return results
+
+
+def bench_serve(*, target_name: str, drafter_dir: str | None, dataset: str, num_prompts: int, max_tokens: int,
+                batch_sizes: tuple[int, ...] = (1, 4), png: str | None = None) -> dict:
+    """Ours (AR, DFlash) vs transformers generate / prompt lookup (vs vLLM when importable)."""
+    from specray.capture.data import load_conversations
+    from specray.serving.engine import Engine
+    from specray.serving.sampling import SamplingParams
+
+    target = load_target(target_name)
+    prompts = [c.as_chat() for c in load_conversations(dataset, purpose="eval", limit=num_prompts)]
+    params = SamplingParams(max_tokens=max_tokens)
+    runs, outputs = [], {}
+    engines = {"specray-ar": Engine(target, None, max_batch=max(batch_sizes))}
+    if drafter_dir:
+        engines["specray-dflash"] = Engine(target, drafter_dir, max_batch=max(batch_sizes))
+    encoded = [engines["specray-ar"].encode(p) for p in prompts]
+    for batch in batch_sizes:
+        chunks = [encoded[i : i + batch] for i in range(0, len(encoded), batch)]
+        for system, engine in engines.items():
+            start, results = time.perf_counter(), []
+            for chunk in chunks:
+                results += engine.generate(chunk, params)
+            seconds = time.perf_counter() - start
+            tokens = sum(len(r.token_ids) for r in results)
+            outputs[(system, batch)] = results
+            rounds = [k for r in results for k in r.emitted_per_round]
+            runs.append({"system": system, "batch_size": batch, "tokens_per_s": tokens / seconds, "tokens": tokens,
+                         "tau": (sum(rounds) / len(rounds)) if system != "specray-ar" else None})
+        hf_systems = {"hf-generate": {}}
+        if batch == 1:
+            hf_systems["hf-prompt-lookup"] = {"prompt_lookup_num_tokens": 10}
+        for system, extra in hf_systems.items():
+            start, tokens = time.perf_counter(), 0
+            for chunk in chunks:
+                tokens += sum(len(t) for t in _hf_generate(target.model, target.tokenizer, chunk, max_tokens, **extra))
+            runs.append({"system": system, "batch_size": batch, "tokens_per_s": tokens / (time.perf_counter() - start),
+                         "tokens": tokens, "tau": None})
+    vllm_available = importlib.util.find_spec("vllm") is not None
+
+    def tps(system: str, batch: int) -> float | None:
+        return next((r["tokens_per_s"] for r in runs if r["system"] == system and r["batch_size"] == batch), None)
+
+    result = {"benchmark": "serve", "target": target_name, "drafter": drafter_dir, "dataset": dataset,
+              "prompts": len(prompts), "max_tokens": max_tokens, "runs": runs, "vllm_available": vllm_available,
+              "speedup_ar_vs_hf_generate": tps("specray-ar", 1) / tps("hf-generate", 1),
+              "environment": _environment()}
+    if drafter_dir:
+        dflash = outputs[("specray-dflash", 1)]
+        ar = outputs[("specray-ar", 1)]
+        rounds = [k for r in dflash for k in r.emitted_per_round]
+        m = engines["specray-dflash"].drafter.config.block_size - 1
+        tau = sum(rounds) / len(rounds)
+        accept = [sum(k - 1 >= j for k in rounds) / len(rounds) for j in range(1, m + 1)]
+        runner = engines["specray-ar"].runner
+        t1 = _step_time(runner, 1)
+        tB = _step_time(runner, m + 1)
+        speedup = tps("specray-dflash", 1) / tps("specray-ar", 1)
+        result.update({
+            "tau": tau, "accept_rate_by_pos": accept,
+            "speedup_vs_ar": speedup,
+            "speedup_vs_hf_generate": tps("specray-dflash", 1) / tps("hf-generate", 1),
+            "speedup_vs_vllm_ar": None,
+            "t_step_1_s": t1, "t_step_B_s": tB,
+            "bound_ratio": speedup / (tau * t1 / tB),
+            "greedy_match": sum(a.token_ids == d.token_ids for a, d in zip(ar, dflash)) / len(ar),
+        })
+        if png:
+            _plot_acceptance(accept, tau, png)
+    return result
+
+
+def _step_time(runner, rows: int, context: int = 256, repeats: int = 7) -> float:
+    """Median time of one target forward of ``rows`` rows over ``context`` committed rows."""
+    slot = runner.cache.allocate()
+    runner.forward(torch.zeros(1, context, dtype=torch.long), torch.tensor([slot]), torch.tensor([context]))
+    runner.cache.commit(slot, context)
+    ids = torch.zeros(1, rows, dtype=torch.long)
+    t = _median_time(lambda: runner.forward(ids, torch.tensor([slot]), torch.tensor([rows])), repeats)
+    runner.cache.release(slot)
+    return t
+
+
+def _plot_acceptance(accept: list[float], tau: float, png: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(range(1, len(accept) + 1), accept)
+    ax.set(xlabel="draft position j", ylabel="P(draft j accepted)", ylim=(0, 1), title=f"acceptance by position (tau {tau:.2f})")
+    fig.tight_layout()
+    Path(png).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def serve_table(result: dict) -> str:
+    lines = [f"{'system':<18} {'batch':>5} {'tokens/s':>9} {'tau':>6}"]
+    for r in result["runs"]:
+        tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
+        lines.append(f"{r['system']:<18} {r['batch_size']:>5} {r['tokens_per_s']:>9.1f} {tau:>6}")
+    lines.append(f"specray AR vs transformers generate (batch 1): {result['speedup_ar_vs_hf_generate']:.2f}x")
+    if "tau" in result:
+        lines.append(f"tau {result['tau']:.2f}; speedup vs our AR {result['speedup_vs_ar']:.2f}x, vs hf generate "
+                     f"{result['speedup_vs_hf_generate']:.2f}x; bound ratio {result['bound_ratio']:.2f}; "
+                     f"greedy match {result['greedy_match']:.2f}")
+        lines.append("accept by position " + " ".join(f"{a:.2f}" for a in result["accept_rate_by_pos"]))
+    if not result["vllm_available"]:
+        lines.append("vLLM: not installed (pip install -e '.[vllm]' to add it to the comparison)")
     return "\n".join(lines)

@@ -126,7 +126,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from specray.pipeline import bench
     from specray.pipeline.config import TrainJobConfig
 
-    if args.benchmark == "capture":
+    if args.benchmark == "serve":
+        result = bench.bench_serve(target_name=args.target, drafter_dir=args.drafter, dataset=args.dataset,
+                                   num_prompts=args.num_prompts, max_tokens=args.max_tokens,
+                                   batch_sizes=tuple(args.batch_sizes), png=args.png)
+        table = bench.serve_table(result)
+    elif args.benchmark == "capture":
         cfg = load_config(CaptureJobConfig, args.config, bench.BENCH_CAPTURE_DEFAULTS + args.overrides)
         result = bench.bench_capture(cfg, repeats=args.repeats)
         table = bench.capture_table(result)
@@ -199,6 +204,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench_capture.add_argument("--repeats", type=int, default=3)
     bench_capture.add_argument("overrides", nargs="*", metavar="section.field=value")
     bench_capture.set_defaults(fn=_cmd_bench)
+    bench_serve = bench_sub.add_parser("serve", help="ours (AR, DFlash) vs transformers generate / prompt lookup")
+    bench_serve.add_argument("--json", help="write the result here")
+    bench_serve.add_argument("--drafter", default=None, help="exported drafter (omit: AR baselines only)")
+    bench_serve.add_argument("--dataset", default="mtbench", choices=["mtbench", "humaneval"])
+    bench_serve.add_argument("--target", default=DEFAULT_TARGET)
+    bench_serve.add_argument("--num-prompts", type=int, default=20)
+    bench_serve.add_argument("--max-tokens", type=int, default=128)
+    bench_serve.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
+    bench_serve.add_argument("--png", default=None, help="acceptance-by-position plot")
+    bench_serve.set_defaults(fn=_cmd_bench, config=None, overrides=[])
     bench_train = bench_sub.add_parser("train", help="training tokens/s and step time split")
     bench_train.add_argument("--json", help="write the result here")
     bench_train.add_argument("-c", "--config", help="train YAML to start from (default: the built-in defaults: 1 layer, B=8, micro-batch 2, 16 anchors)")

@@ -177,3 +177,21 @@ def test_generate_cli(debug_target, random_drafter, capsys):
     assert "tau=" in out and "tokens/s" in out and "8 tokens, finish=length" in out
     assert main(["generate", "--target", "debug", "--prompt", "Hi", "--temperature", "-1"]) == 2
     assert "temperature must be >= 0" in capsys.readouterr().err
+
+
+def test_bench_serve_writes_json_and_plot(debug_target, random_drafter, tmp_path, capsys):
+    import json
+
+    from specray.pipeline.cli import main
+
+    path = tmp_path / "serve.json"
+    assert main(["bench", "serve", "--target", "debug", "--drafter", str(random_drafter), "--num-prompts", "2",
+                 "--max-tokens", "6", "--batch-sizes", "1", "2", "--json", str(path), "--png", str(tmp_path / "a.png")]) == 0
+    result = json.loads(path.read_text())
+    systems = {(r["system"], r["batch_size"]) for r in result["runs"]}
+    assert {("specray-ar", 1), ("specray-dflash", 2), ("hf-generate", 1), ("hf-prompt-lookup", 1)} <= systems
+    for key in ("tau", "speedup_vs_ar", "speedup_vs_hf_generate", "bound_ratio", "greedy_match"):
+        assert result[key] is not None
+    assert result["speedup_vs_vllm_ar"] is None and result["greedy_match"] == 1.0
+    assert len(result["accept_rate_by_pos"]) == 3 and (tmp_path / "a.png").exists()
+    assert "tau" in capsys.readouterr().out
