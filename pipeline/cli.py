@@ -5,6 +5,7 @@
     specray export runs/train-dflash-quickstart [--out DIR]
     specray evaluate EXPORT_DIR --manifest runs/<held-out capture>/manifest.parquet
     specray generate --drafter EXPORT_DIR --prompt "…" [--max-tokens 128] [--temperature 0]
+    specray regenerate --out data/self.jsonl --num 256   (self-distilled training conversations)
     specray inspect runs/capture-quickstart/manifest.parquet [--verify]
     specray bench capture --json bench/capture.json [-c CONFIG] [--repeats 3] [overrides …]
     specray bench train --json bench/train.json [-c CONFIG] [overrides …]
@@ -88,6 +89,24 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(f"-- {len(out.token_ids)} tokens, finish={out.finish_reason}, tau={out.tau:.2f}, rounds={out.rounds}")
     tokens = sum(len(o.token_ids) for o in outputs)
     print(f"-- {tokens / seconds:.1f} tokens/s ({'DFlash ' + args.drafter if args.drafter else 'autoregressive'})")
+    return 0
+
+
+def _cmd_regenerate(args: argparse.Namespace) -> int:
+    import time
+
+    from specray.pipeline.regenerate_job import regenerate
+    from specray.serving.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    start = time.perf_counter()
+    summary = regenerate(target_name=args.target, dataset=args.dataset, num=args.num, out=args.out, skip=args.skip,
+                         batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens, params=params,
+                         progress=not args.quiet)
+    seconds = time.perf_counter() - start
+    print(f"wrote {summary['written']} conversations ({summary['tokens']} answer tokens, "
+          f"{summary['tokens'] / seconds:.1f} tokens/s) to {summary['out']}; already there {summary['already_there']}, "
+          f"prompts too long {summary['skipped_too_long']}")
     return 0
 
 
@@ -189,6 +208,20 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--max-len", type=int, default=2048, help="KV capacity per request")
     generate.set_defaults(fn=_cmd_generate)
+
+    regen = sub.add_parser("regenerate", help="answer training prompts with the target itself (self-distillation)")
+    regen.add_argument("--out", required=True, help="JSONL to append to (capture reads it as jsonl:PATH)")
+    regen.add_argument("--dataset", default="sharegpt")
+    regen.add_argument("--num", type=int, default=256, help="conversations to take")
+    regen.add_argument("--skip", type=int, default=0, help="skip the first N conversations")
+    regen.add_argument("--target", default=DEFAULT_TARGET)
+    regen.add_argument("--batch-size", type=int, default=4)
+    regen.add_argument("--max-tokens", type=int, default=256)
+    regen.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
+    regen.add_argument("--temperature", type=float, default=0.0)
+    regen.add_argument("--seed", type=int, default=None)
+    regen.add_argument("-q", "--quiet", action="store_true")
+    regen.set_defaults(fn=_cmd_regenerate)
 
     inspect = sub.add_parser("inspect", help="summarise a manifest; --verify re-reads every blob")
     inspect.add_argument("manifest")
