@@ -55,7 +55,13 @@ class SlotKVCache:
             self.v[layer, slot, :, s : s + T] = v[b]
 
     def read(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V rows ``[0, length)`` of ``slots``: ([B, Hkv, length, hd], same)."""
+        """K/V rows ``[0, length)`` of ``slots``: ([B, Hkv, length, hd], same).
+
+        Consecutive slots (always the case at batch 1) are a view; others are gathered (a copy).
+        """
+        first = int(slots[0])
+        if torch.equal(slots, torch.arange(first, first + len(slots))):
+            return self.k[layer, first : first + len(slots), :, :length], self.v[layer, first : first + len(slots), :, :length]
         return self.k[layer, slots, :, :length], self.v[layer, slots, :, :length]
 
     def commit(self, slot: int, num_rows: int) -> None:

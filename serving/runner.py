@@ -81,7 +81,8 @@ class LlamaRunner:
         length = int((start + T).max())
         if length > self.cache.max_len:
             raise ValueError(f"context of {length} tokens exceeds the engine's max_len {self.cache.max_len}")
-        mask = attention_mask(start, num_new, T, length)[:, None]  # [B, 1, T, length]
+        # A single new row sees every committed row: no mask needed (the common decode case).
+        mask = None if (B == 1 and T == 1) else attention_mask(start, num_new, T, length)[:, None]  # [B, 1, T, length]
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, T, hd]
         x = F.embedding(input_ids, self.embed)  # [B, T, D]
         hidden: dict[int, torch.Tensor] = {}
