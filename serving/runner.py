@@ -28,6 +28,15 @@ class RunnerOutput:
     hidden: dict[int, torch.Tensor]  # layer id -> [B, T, D] decoder-layer output
 
 
+def pad_rows(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token lists: (ids [B, T_max], lengths [B])."""
+    lengths = torch.tensor([len(s) for s in seqs])
+    ids = torch.zeros(len(seqs), int(lengths.max()), dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, : len(s)] = torch.tensor(s)
+    return ids, lengths
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from specray.serving.runner import LlamaRunner
+from specray.serving.runner import LlamaRunner, pad_rows
 from specray.serving.sampling import process
 
 
@@ -23,10 +23,7 @@ class ARWorker:
         self.runner = runner
 
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
-        lengths = torch.tensor([len(p) for p in prompts])
-        ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long)
-        for b, p in enumerate(prompts):
-            ids[b, : len(p)] = torch.tensor(p)
+        ids, lengths = pad_rows(prompts)
         out = self.runner.forward(ids, torch.tensor(slots), lengths)
         for slot, n in zip(slots, lengths.tolist()):
             self.runner.cache.commit(slot, n)

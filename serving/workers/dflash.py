@@ -21,7 +21,7 @@ import torch
 from specray.drafters.dflash import DFlashDrafter, block_attention_mask
 from specray.kernels.rejection import rejection_sample
 from specray.serving.kv_cache import SlotKVCache
-from specray.serving.runner import LlamaRunner
+from specray.serving.runner import LlamaRunner, pad_rows
 from specray.serving.sampling import process
 
 
@@ -55,7 +55,7 @@ class DFlashWorker:
 
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
         """Run the prompts, commit them in both caches; returns last-row logits [B, V]."""
-        ids, lengths = _pad(prompts)
+        ids, lengths = pad_rows(prompts)
         out = self.runner.forward(ids, torch.tensor(slots), lengths)
         self._commit_context(slots, out.hidden, lengths.tolist())
         for slot, n in zip(slots, lengths.tolist()):
@@ -105,10 +105,3 @@ class DFlashWorker:
         self._commit_context(slots, out.hidden, accepted_rows)
         return emitted
 
-
-def _pad(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    lengths = torch.tensor([len(s) for s in seqs])
-    ids = torch.zeros(len(seqs), int(lengths.max()), dtype=torch.long)
-    for b, s in enumerate(seqs):
-        ids[b, : len(s)] = torch.tensor(s)
-    return ids, lengths
