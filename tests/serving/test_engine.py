@@ -3,7 +3,6 @@ batching, stops, and bad input."""
 
 import pytest
 import torch
-from torch import nn
 
 from specray.drafters.dflash import DFlashConfig, DFlashDrafter
 from specray.drafters.format import save_drafter
