@@ -55,7 +55,8 @@ class _Request:
     anchor: int = -1
     finish_reason: str | None = None
     emitted: list[int] = field(default_factory=list)
-    start: float = 0.0
+    start: float = 0.0  # perf_counter at admission
+    seconds: float = 0.0  # admission to finish
 
 
 class Engine:
@@ -155,7 +156,7 @@ class Engine:
                 self.runner.cache.release(r.slot)
                 if self.drafter is not None:
                     self.worker.context.release(r.slot)
-                r.start = time.perf_counter() - r.start
+                r.seconds = time.perf_counter() - r.start
         return still
 
     def _output(self, r: _Request) -> GenerationOutput:
@@ -164,4 +165,4 @@ class Engine:
             if s in text:
                 text = text[: text.index(s)]
         return GenerationOutput(r.prompt_ids, r.tokens, text, r.finish_reason or "length", len(r.emitted),
-                                r.emitted, r.start)
+                                r.emitted, r.seconds)

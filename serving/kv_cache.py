@@ -54,15 +54,18 @@ class SlotKVCache:
             self.k[layer, slot, :, s : s + T] = k[b]
             self.v[layer, slot, :, s : s + T] = v[b]
 
-    def read(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V rows ``[0, length)`` of ``slots``: ([B, Hkv, length, hd], same).
-
-        Consecutive slots (always the case at batch 1) are a view; others are gathered (a copy).
-        """
+    @staticmethod
+    def index(slots: torch.Tensor) -> slice | torch.Tensor:
+        """How ``read`` selects ``slots``: consecutive slots (always at batch 1) as a slice, so
+        reads are views; others as an index tensor (reads gather a copy). Compute once per forward."""
         first = int(slots[0])
         if torch.equal(slots, torch.arange(first, first + len(slots))):
-            return self.k[layer, first : first + len(slots), :, :length], self.v[layer, first : first + len(slots), :, :length]
-        return self.k[layer, slots, :, :length], self.v[layer, slots, :, :length]
+            return slice(first, first + len(slots))
+        return slots
+
+    def read(self, layer: int, index: slice | torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V rows ``[0, length)`` of the slots selected by ``index(slots)``: ([B, Hkv, length, hd], same)."""
+        return self.k[layer, index, :, :length], self.v[layer, index, :, :length]
 
     def commit(self, slot: int, num_rows: int) -> None:
         """Make the next ``num_rows`` scratch rows of ``slot`` trusted context."""

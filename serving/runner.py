@@ -94,6 +94,7 @@ class LlamaRunner:
         mask = None if (B == 1 and T == 1) else attention_mask(start, num_new, T, length)[:, None]  # [B, 1, T, length]
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, T, hd]
         x = F.embedding(input_ids, self.embed)  # [B, T, D]
+        index = self.cache.index(slots)
         hidden: dict[int, torch.Tensor] = {}
         for i, w in enumerate(self.layers):
             h = _rms_norm(x, w["in_norm"], self.eps)
@@ -102,7 +103,7 @@ class LlamaRunner:
             k = _rotate(k.view(B, T, Hkv, hd).transpose(1, 2), cos, sin)  # [B, Hkv, T, hd]
             v = v.view(B, T, Hkv, hd).transpose(1, 2)
             self.cache.write(i, slots, start, k, v)
-            keys, values = self.cache.read(i, slots, length)  # [B, Hkv, length, hd]
+            keys, values = self.cache.read(i, index, length)  # [B, Hkv, length, hd]
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
             x = x + F.linear(attn.transpose(1, 2).reshape(B, T, H * hd), w["o"])
             h = _rms_norm(x, w["post_norm"], self.eps)

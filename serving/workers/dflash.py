@@ -67,7 +67,8 @@ class DFlashWorker:
         """Draft m tokens per request; returns (drafts [B, m], q [B, m, V] or None per request)."""
         n = self.context.committed[torch.tensor(slots)]  # [B] anchor positions
         ctx_len = int(n.max())
-        ctx_kv = [self.context.read(layer, torch.tensor(slots), ctx_len) for layer in range(self.cfg.num_layers)]
+        index = self.context.index(torch.tensor(slots))
+        ctx_kv = [self.context.read(layer, index, ctx_len) for layer in range(self.cfg.num_layers)]
         block = self.drafter.block_inputs(torch.tensor(anchors)[:, None]).view(len(slots), self.block_size)
         positions = n[:, None] + torch.arange(self.block_size)
         valid = torch.arange(ctx_len)[None, :] < n[:, None]
