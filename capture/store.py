@@ -9,6 +9,10 @@ size, sha256, contract id), which is all that travels through the control plane.
 verifies size and checksum before deserialising, so a corrupt or truncated blob raises
 ``FeatureChecksumError`` naming the key and is never trained on.
 
+Other schemes plug in through ``register_store_backend``; open every store by URI with
+``open_store(uri)``. ``ray://NAME`` (features in the Ray object store) is registered by
+``import specray.actors.object_store``, which keeps ``capture/`` free of Ray.
+
 Manifests are immutable Parquet tables of SampleRefs with the capture contract and a schema
 version in the table metadata (``write_manifest`` / ``read_manifest``).
 """
@@ -19,8 +23,9 @@ import hashlib
 import json
 import os
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import fsspec
 import pyarrow as pa
@@ -90,7 +95,68 @@ def open_fs(uri: str, *, endpoint_url: str | None = None, storage_options: dict 
     return fs, path, protocol
 
 
-class FeatureStore:
+class BlobStore(ABC):
+    """Safetensors encoding and checksum verification over a backend's byte I/O.
+
+    A backend implements ``put_bytes / get_bytes / exists / delete`` and sets ``uri``;
+    ``put`` and ``get`` are shared, so every backend detects corruption the same way.
+    """
+
+    uri: str
+
+    def put(self, key: str, tensors: dict[str, torch.Tensor], *, sample_id: str, num_tokens: int, contract: str) -> SampleRef:
+        """Write one blob atomically (readers see all of it or nothing) and describe it."""
+        tensors = {k: v.contiguous() for k, v in tensors.items()}
+        # One metadata entry: safetensors writes its metadata map in a per-process random order,
+        # so two entries would give the same sample different bytes (and checksums) per process.
+        data = st_save(tensors, metadata={"specray": json.dumps({"contract": contract, "sample_id": sample_id}, sort_keys=True)})
+        self.put_bytes(key, data)
+        return SampleRef(
+            sample_id=sample_id,
+            key=key,
+            tensors=tuple(TensorMeta(k, tuple(v.shape), _DTYPE_NAMES[v.dtype]) for k, v in tensors.items()),
+            num_tokens=num_tokens,
+            num_bytes=len(data),
+            checksum=_checksum(data),
+            contract=contract,
+        )
+
+    def get(self, ref: SampleRef) -> dict[str, torch.Tensor]:
+        data = self.get_bytes(ref.key)
+        if len(data) != ref.num_bytes or _checksum(data) != ref.checksum:
+            raise FeatureChecksumError(
+                f"feature blob {ref.key!r} in {self.uri} is corrupt or truncated: "
+                f"{len(data)} bytes (expected {ref.num_bytes}), checksum mismatch; re-capture this sample"
+            )
+        tensors = st_load(data)
+        for meta in ref.tensors:
+            got = tensors.get(meta.name)
+            if got is None or tuple(got.shape) != meta.shape or _DTYPE_NAMES[got.dtype] != meta.dtype:
+                raise FeatureChecksumError(f"feature blob {ref.key!r}: tensor {meta.name!r} does not match its SampleRef")
+        return tensors
+
+    @abstractmethod
+    def put_bytes(self, key: str, data: bytes) -> None: ...
+
+    @abstractmethod
+    def get_bytes(self, key: str) -> bytes:
+        """The blob's bytes; ``FeatureNotFoundError`` when there is none under ``key``."""
+
+    @abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Idempotent: deleting a missing key is not an error."""
+
+
+def check_key(key: str) -> str:
+    if not key or key.startswith("/") or ".." in key.split("/"):
+        raise ValueError(f"invalid store key {key!r}: use a relative path without '..'")
+    return key
+
+
+class FeatureStore(BlobStore):
     """``put / get / delete / exists`` of safetensors blobs under one root URI."""
 
     def __init__(self, uri: str, *, endpoint_url: str | None = None, storage_options: dict | None = None):
@@ -105,24 +171,7 @@ class FeatureStore:
         return f"FeatureStore({self.uri!r})"
 
     def _path(self, key: str) -> str:
-        if not key or key.startswith("/") or ".." in key.split("/"):
-            raise ValueError(f"invalid store key {key!r}: use a relative path without '..'")
-        return f"{self.root}/{key}"
-
-    def put(self, key: str, tensors: dict[str, torch.Tensor], *, sample_id: str, num_tokens: int, contract: str) -> SampleRef:
-        """Write one blob atomically (readers see all of it or nothing) and describe it."""
-        tensors = {k: v.contiguous() for k, v in tensors.items()}
-        data = st_save(tensors, metadata={"sample_id": sample_id, "contract": contract})
-        self.put_bytes(key, data)
-        return SampleRef(
-            sample_id=sample_id,
-            key=key,
-            tensors=tuple(TensorMeta(k, tuple(v.shape), _DTYPE_NAMES[v.dtype]) for k, v in tensors.items()),
-            num_tokens=num_tokens,
-            num_bytes=len(data),
-            checksum=_checksum(data),
-            contract=contract,
-        )
+        return f"{self.root}/{check_key(key)}"
 
     def put_bytes(self, key: str, data: bytes) -> None:
         path = self._path(key)
@@ -141,20 +190,6 @@ class FeatureStore:
         except FileNotFoundError:
             raise FeatureNotFoundError(f"no feature blob at key {key!r} in {self.uri}") from None
 
-    def get(self, ref: SampleRef) -> dict[str, torch.Tensor]:
-        data = self.get_bytes(ref.key)
-        if len(data) != ref.num_bytes or _checksum(data) != ref.checksum:
-            raise FeatureChecksumError(
-                f"feature blob {ref.key!r} in {self.uri} is corrupt or truncated: "
-                f"{len(data)} bytes (expected {ref.num_bytes}), checksum mismatch; re-capture this sample"
-            )
-        tensors = st_load(data)
-        for meta in ref.tensors:
-            got = tensors.get(meta.name)
-            if got is None or tuple(got.shape) != meta.shape or _DTYPE_NAMES[got.dtype] != meta.dtype:
-                raise FeatureChecksumError(f"feature blob {ref.key!r}: tensor {meta.name!r} does not match its SampleRef")
-        return tensors
-
     def exists(self, key: str) -> bool:
         return self.fs.exists(self._path(key))
 
@@ -166,6 +201,37 @@ class FeatureStore:
             pass
         if self.protocol == "s3":
             self.fs.invalidate_cache(self._path(key))
+
+
+# -- other schemes -------------------------------------------------------------------------
+
+StoreFactory = Callable[..., BlobStore]  # factory(uri, *, endpoint_url) -> store
+_BACKENDS: dict[str, StoreFactory] = {}
+# Where the backends specray ships are registered, for the error when one is not loaded yet.
+_BACKEND_MODULES = {"ray": "specray.actors.object_store"}
+
+
+def register_store_backend(scheme: str, factory: StoreFactory) -> None:
+    """Make ``open_store("<scheme>://…")`` call ``factory(uri, endpoint_url=…)``."""
+    if scheme in ("file", "s3"):
+        raise ValueError(f"{scheme}:// is served by FeatureStore and cannot be replaced")
+    _BACKENDS[scheme] = factory
+
+
+def open_store(uri: str, *, endpoint_url: str | None = None) -> BlobStore:
+    """The store behind ``uri``: FeatureStore for ``file://``/plain paths and ``s3://``, else a registered backend."""
+    scheme = uri.split("://", 1)[0] if "://" in uri else "file"
+    if scheme in ("file", "s3"):
+        return FeatureStore(uri, endpoint_url=endpoint_url)
+    if scheme in _BACKENDS:
+        return _BACKENDS[scheme](uri, endpoint_url=endpoint_url)
+    if scheme in _BACKEND_MODULES:
+        raise ValueError(
+            f"store URI {uri!r}: the {scheme}:// backend is not loaded in this process; "
+            f"fix: `import {_BACKEND_MODULES[scheme]}` before opening the store"
+        )
+    known = sorted({"file", "s3", *_BACKENDS, *_BACKEND_MODULES})
+    raise ValueError(f"store URI {uri!r}: unknown scheme {scheme}://; use one of {[k + '://' for k in known]}")
 
 
 # -- manifests -----------------------------------------------------------------------------

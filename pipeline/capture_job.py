@@ -7,6 +7,11 @@ Run it::
 It writes ``<run_dir>/manifest.parquet`` (SampleRefs + contract), ``<run_dir>/capture.json``
 (the summary below) and ``<run_dir>/config.yaml`` (the resolved config), and the feature blobs
 under the store URI.
+
+``run_capture`` captures in this process; ``run_capture_on_ray`` spreads the same batches
+over N ``CaptureActor``\ s (``actors/capture.py``) and writes the same manifest and summary.
+Both share ``plan_capture`` (render, contract, batches) and ``finish_capture`` (manifest,
+stale blobs, summary).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from tqdm import tqdm
 from specray.capture.contract import CaptureContract, build_contract
 from specray.capture.data import ChatRenderer, RenderedSample, load_conversations
 from specray.capture.server import CaptureServer, pack_batches
-from specray.capture.store import FeatureStore, read_manifest, write_manifest
+from specray.capture.store import Manifest, SampleRef, open_store, read_manifest, write_manifest
 from specray.capture.target import Target, load_target
 from specray.pipeline.config import CaptureJobConfig
 
@@ -80,10 +85,21 @@ def render_dataset(target: Target, cfg: CaptureJobConfig) -> tuple[list[Rendered
     return samples, dict(renderer.skipped)
 
 
-def run_capture(cfg: CaptureJobConfig, *, progress: bool = True) -> CaptureSummary:
-    run_dir = cfg.run_dir
-    manifest_uri = str((run_dir / "manifest.parquet").resolve())
-    store = FeatureStore(cfg.store_uri, endpoint_url=cfg.store.endpoint_url)
+@dataclass(frozen=True)
+class CapturePlan:
+    """Everything decided before the first forward: the same for in-process and Ray capture."""
+
+    manifest_uri: str
+    previous: Manifest | None  # the manifest an overwrite replaces
+    target: Target
+    contract: CaptureContract
+    samples: list[RenderedSample]
+    skipped: dict[str, int]
+    batches: list[list[RenderedSample]]
+
+
+def plan_capture(cfg: CaptureJobConfig) -> CapturePlan:
+    manifest_uri = str((cfg.run_dir / "manifest.parquet").resolve())
     previous = None
     if Path(manifest_uri).exists():
         if not cfg.output.overwrite:
@@ -99,36 +115,65 @@ def run_capture(cfg: CaptureJobConfig, *, progress: bool = True) -> CaptureSumma
     if not samples:
         raise ValueError(f"dataset {cfg.data.dataset!r} gave no usable samples (skipped: {skipped})")
     batches = pack_batches(samples, max_batch_tokens=cfg.capture.max_batch_tokens, max_batch_size=cfg.capture.max_batch_size)
+    return CapturePlan(manifest_uri, previous, target, contract, samples, skipped, batches)
 
-    server = CaptureServer(target, contract, store)
+
+def run_capture(cfg: CaptureJobConfig, *, progress: bool = True) -> CaptureSummary:
+    plan = plan_capture(cfg)
+    server = CaptureServer(plan.target, plan.contract, open_store(cfg.store_uri, endpoint_url=cfg.store.endpoint_url))
     refs = []
     start = time.perf_counter()
-    total = sum(s.num_tokens for s in samples)
+    total = sum(s.num_tokens for s in plan.samples)
     with tqdm(total=total, unit="tok", desc="capture", disable=not progress) as bar:
-        for batch_refs in server.capture_all(batches):
+        for batch_refs in server.capture_all(plan.batches):
             refs.extend(batch_refs)
             bar.update(sum(r.num_tokens for r in batch_refs))
     seconds = time.perf_counter() - start
     server.close()
+    return finish_capture(cfg, plan, refs, seconds)
 
-    refs.sort(key=lambda r: r.sample_id)
+
+def run_capture_on_ray(cfg: CaptureJobConfig, *, num_actors: int, num_cpus_per_actor: float = 1.0,
+                       progress: bool = True) -> CaptureSummary:
+    """``run_capture`` on ``num_actors`` Ray CaptureActors (connect to Ray first): same batches, same output."""
+    from specray.actors.capture import CapturePool
+
+    if cfg.target.device != "cpu":
+        raise ValueError(f"target.device={cfg.target.device!r}: Ray capture actors run the target on CPU; "
+                         "set target.device=cpu or capture in-process with run_capture")
+    plan = plan_capture(cfg)
+    refs: list[SampleRef] = []
+    with CapturePool(cfg.target.name, plan.contract, cfg.store_uri, endpoint_url=cfg.store.endpoint_url,
+                     num_actors=num_actors, num_cpus_per_actor=num_cpus_per_actor,
+                     target_dtype=cfg.target.dtype) as pool:
+        pool.wait_ready()  # capture time (tokens/s) excludes the actors' start-up
+        stats = pool.run(((f"batch-{i:06d}", batch) for i, batch in enumerate(plan.batches)),
+                         lambda _, batch_refs: refs.extend(batch_refs), progress=progress)
+    return finish_capture(cfg, plan, refs, stats.seconds)
+
+
+def finish_capture(cfg: CaptureJobConfig, plan: CapturePlan, refs: list[SampleRef], seconds: float) -> CaptureSummary:
+    """Write the manifest, drop blobs an overwritten manifest no longer references, write the summary."""
+    contract, samples, previous = plan.contract, plan.samples, plan.previous
+    refs = sorted(refs, key=lambda r: r.sample_id)
     write_manifest(
-        manifest_uri, refs, contract=contract, store_uri=cfg.store_uri, overwrite=cfg.output.overwrite,
+        plan.manifest_uri, refs, contract=contract, store_uri=cfg.store_uri, overwrite=cfg.output.overwrite,
         metadata={"dataset": cfg.data.dataset, "target": cfg.target.name, "run": cfg.name},
     )
     if previous is not None:
         # Only now that the new manifest is durable: drop blobs it no longer references.
-        old_store = FeatureStore(previous.store_uri, endpoint_url=cfg.store.endpoint_url)
+        old_store = open_store(previous.store_uri, endpoint_url=cfg.store.endpoint_url)
         kept = {r.key for r in refs} if previous.store_uri == cfg.store_uri else set()
         for ref in previous.refs:
             if ref.key not in kept:
                 old_store.delete(ref.key)
+    total = sum(s.num_tokens for s in samples)
     num_bytes = sum(r.num_bytes for r in refs)
     summary = CaptureSummary(
         samples=len(refs),
         tokens=total,
         supervised_tokens=int(sum(int(s.loss_mask.sum()) for s in samples)),
-        skipped=skipped,
+        skipped=plan.skipped,
         truncated=sum(s.truncated for s in samples),
         bytes=num_bytes,
         bytes_per_token=num_bytes / total,
@@ -136,11 +181,11 @@ def run_capture(cfg: CaptureJobConfig, *, progress: bool = True) -> CaptureSumma
         seconds=seconds,
         tokens_per_s=total / seconds,
         store_uri=cfg.store_uri,
-        manifest=manifest_uri,
+        manifest=plan.manifest_uri,
         contract_id=contract.contract_id,
         layer_ids=list(contract.layer_ids),
     )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "capture.json").write_text(json.dumps(asdict(summary), indent=2))
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    (cfg.run_dir / "capture.json").write_text(json.dumps(asdict(summary), indent=2))
+    (cfg.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
     return summary

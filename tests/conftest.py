@@ -5,15 +5,18 @@ CPU, and a local Ray cluster binds to loopback only.
 """
 
 import os
+import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The venv's console scripts (specray, ray) for subprocesses and Ray jobs, even when pytest
+# runs as .venv/bin/pytest without an activated venv.
+os.environ["PATH"] = f"{os.path.dirname(os.path.abspath(sys.executable))}{os.pathsep}{os.environ['PATH']}"
 
 import shutil
 import socket
 import subprocess
-import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -98,3 +101,37 @@ def seaweedfs(tmp_path_factory):
             proc.kill()
             proc.wait()
         log.close()
+
+
+@dataclass(frozen=True)
+class RayCluster:
+    address: str  # GCS address, for ray.init(address=...) in subprocesses
+    dashboard_url: str  # job server, for `ray job submit --address ...`
+    temp_dir: str
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory):
+    """One local Ray cluster per test session, on loopback, with 4 logical CPUs.
+
+    ``ray.init`` costs ~5 s, so every Ray test shares this one. The 4 logical CPUs let a
+    2-worker trainer gang and a capture actor coexist on a 2-core machine (Ray schedules
+    logical CPUs; asking for more than the cluster has hangs, so tests always set timeouts).
+    The dashboard (and so the job server) listens on 127.0.0.1 only. Shut down with
+    ``ray.shutdown()`` at the end (never ``ray stop``: it kills every Ray process on the host).
+    """
+    import ray
+
+    port = free_port()
+    env = {"TRITON_INTERPRET": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.update({k: os.environ[k] for k in ("SPECRAY_CACHE", "SPECRAY_S3_ENDPOINT") if k in os.environ})
+    context = ray.init(
+        num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port,
+        _node_ip_address="127.0.0.1", log_to_driver=False,
+        runtime_env={"env_vars": env},
+    )
+    try:
+        yield RayCluster(context.address_info["gcs_address"], f"http://127.0.0.1:{port}",
+                         context.address_info["session_dir"])
+    finally:
+        ray.shutdown()

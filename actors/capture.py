@@ -1,0 +1,343 @@
+"""Capture on Ray: ``CaptureActor`` (one frozen target per process) and ``CapturePool``.
+
+``CaptureActor`` wraps ``capture.server.CaptureServer``: the target is loaded once, in the
+constructor, and ``capture(batch_id, samples)`` runs one padded forward and writes one blob
+per sample. ``CapturePool`` is the driver side: N actors fed from an iterable of
+``(batch_id, samples)`` batches, each batch's SampleRefs handed to a sink::
+
+    pool = CapturePool("debug", contract, "file:///tmp/features", num_actors=2)
+    stats = pool.run(batches, on_refs=lambda batch_id, refs: ..., admit=None)
+    pool.close()
+
+Backpressure: at most ``max_inflight_batches`` batches are outstanding per actor (one
+computing, the rest queued so the actor never idles on a round trip), and ``admit(batch)``
+is called before a batch is dispatched. It may block (the online pipeline reserves broker
+capacity there): it runs on a helper thread while the calling thread keeps delivering
+finished batches to ``on_refs``, so an ``admit`` that waits for the consumer to drain those
+cannot deadlock. A batch re-sent after a failure is not admitted again.
+
+Failures: an actor that dies (``ActorDiedError``, ``ActorUnavailableError``) loses its
+unfinished batches; they are dispatched again, to any actor. The dead actor is probed with
+``ready()``: Ray restarts it up to ``max_restarts`` times (the constructor loads the target
+again), after that the pool replaces it with a fresh one. Every batch reaches ``on_refs``
+exactly once, deduplicated by batch id, and a batch that keeps killing its actor
+(``max_batch_attempts``, e.g. out of memory) fails the run instead of looping. A batch is
+always re-sent with the same samples in the same order, so its features (and checksums)
+are the same as the first attempt's would have been: the padded forward is a pure function
+of the batch, and the store key is a function of the sample id and contract. With a
+``ray://`` store the features of batches already delivered die with their actor as well;
+capturing those again is the durable layer's job (see ``actors/object_store.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
+
+import ray
+from ray.actor import ActorHandle
+from ray.exceptions import ActorUnavailableError, RayActorError
+from tqdm import tqdm
+
+import specray.actors.object_store  # noqa: F401  (registers ray:// in the driver)
+from specray.capture.contract import CaptureContract
+from specray.capture.data import RenderedSample
+from specray.capture.server import CaptureServer
+from specray.capture.store import SampleRef, open_store
+from specray.capture.target import load_target
+
+Batch = tuple[str, list[RenderedSample]]  # (batch_id, samples)
+
+
+@ray.remote
+class CaptureActor:
+    """A CaptureServer in its own process; ``capture`` is deterministic per batch."""
+
+    def __init__(self, target: str, contract: CaptureContract, store_uri: str, *,
+                 endpoint_url: str | None = None, target_dtype: str = "float32"):
+        # Ray ships this class by value, so this module's imports do not run in the actor.
+        import specray.actors.object_store  # noqa: F401  (registers ray://)
+
+        store = open_store(store_uri, endpoint_url=endpoint_url)
+        self.server = CaptureServer(load_target(target, dtype=target_dtype), contract, store)
+
+    def ready(self) -> int:
+        """Health probe: answers once the target is loaded; returns the process id."""
+        return os.getpid()
+
+    def capture(self, batch_id: str, samples: list[RenderedSample]) -> list[SampleRef]:
+        if not samples:
+            raise ValueError(f"batch {batch_id!r} has no samples")
+        return self.server.capture(samples)
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    batches: int
+    samples: int
+    tokens: int
+    seconds: float  # first dispatch to last delivery
+    restarts: int  # actor failures recovered: restarted by Ray or replaced by the pool
+    redispatched: int  # batch attempts lost with their actor and sent again
+    max_inflight: int  # most batches dispatched and not yet delivered at one time
+
+
+@dataclass
+class _Slot:
+    actor: ActorHandle
+    generation: int = 0  # bumped per failure: failures of older attempts are not new deaths
+    inflight: int = 0
+    probe: ray.ObjectRef | None = None  # ready() while (re)starting; no batches until it answers
+    probe_deadline: float = 0.0
+
+
+@dataclass
+class _Attempt:
+    batch: Batch
+    slot: int
+    generation: int
+
+
+@dataclass
+class _RunState:
+    on_refs: Callable[[str, list[SampleRef]], None]
+    bar: tqdm
+    pending: dict[ray.ObjectRef, _Attempt] = field(default_factory=dict)
+    retry: deque[Batch] = field(default_factory=deque)
+    seen: set[str] = field(default_factory=set)
+    delivered: set[str] = field(default_factory=set)
+    attempts: dict[str, int] = field(default_factory=dict)
+    samples: int = 0
+    tokens: int = 0
+    restarts: int = 0
+    redispatched: int = 0
+    max_inflight: int = 0
+    started: float | None = None  # perf_counter at the first dispatch (actor start-up is not capture time)
+    last_progress: float = field(default_factory=time.monotonic)
+
+
+class CapturePool:
+    """N ``CaptureActor``\\ s behind one ``run(batches, on_refs)``; see the module docstring."""
+
+    def __init__(self, target: str, contract: CaptureContract, store_uri: str, *, endpoint_url: str | None = None,
+                 num_actors: int = 1, num_cpus_per_actor: float = 1.0, max_restarts: int = 3,
+                 max_inflight_batches: int = 2, target_dtype: str = "float32", max_batch_attempts: int = 3,
+                 start_timeout_s: float = 300.0, stall_timeout_s: float = 600.0):
+        if not ray.is_initialized():
+            raise RuntimeError("CapturePool needs a Ray connection: call ray.init(...) first "
+                               "(specray pipeline run connects for you)")
+        for name, value in (("num_actors", num_actors), ("max_inflight_batches", max_inflight_batches),
+                            ("max_batch_attempts", max_batch_attempts)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+        # Opened here first: a ray:// store's directory then lives as long as this driver.
+        self.store = open_store(store_uri, endpoint_url=endpoint_url)
+        self._actor_cls = CaptureActor.options(num_cpus=num_cpus_per_actor, max_restarts=max_restarts, max_task_retries=0)
+        self._actor_args = (target, contract, store_uri)
+        self._actor_kwargs = {"endpoint_url": endpoint_url, "target_dtype": target_dtype}
+        self.num_cpus_per_actor = num_cpus_per_actor
+        self.max_inflight_batches = max_inflight_batches
+        self.max_batch_attempts = max_batch_attempts
+        self.start_timeout_s = start_timeout_s
+        self.stall_timeout_s = stall_timeout_s
+        self._probes: dict[ray.ObjectRef, int] = {}
+        self._slots = [_Slot(self._actor_cls.remote(*self._actor_args, **self._actor_kwargs)) for _ in range(num_actors)]
+        for index in range(num_actors):
+            self._probe(index)
+        self._closed = False
+
+    @property
+    def actors(self) -> list[ActorHandle]:
+        """The current actor handles (a replaced actor's slot holds its successor)."""
+        return [slot.actor for slot in self._slots]
+
+    def wait_ready(self) -> None:
+        """Block until every actor has loaded its target (``run`` starts on the first ready one)."""
+        deadline = time.monotonic() + self.start_timeout_s
+        while self._probes:
+            for ref in ray.wait(list(self._probes), num_returns=1, timeout=1.0)[0]:
+                self._probed(ref)
+            if time.monotonic() > deadline:
+                raise TimeoutError(self._start_timeout_message())
+
+    def __enter__(self) -> CapturePool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Kill every actor; features a ray:// store holds from them are lost with them."""
+        if not self._closed:
+            for slot in self._slots:
+                ray.kill(slot.actor, no_restart=True)
+            self._closed = True
+
+    # -- run --------------------------------------------------------------------------------
+
+    def run(self, batches: Iterable[Batch], on_refs: Callable[[str, list[SampleRef]], None], *,
+            admit: Callable[[Batch], None] | None = None, progress: bool = False) -> PoolStats:
+        """Capture every batch; ``on_refs(batch_id, refs)`` once per batch, in completion order."""
+        if self._closed:
+            raise RuntimeError("this CapturePool is closed; create a new one")
+        for slot in self._slots:
+            slot.inflight = 0  # attempts left over from an aborted run are not waited for
+        source = iter(batches)
+        with tqdm(unit="tok", desc="capture", disable=not progress) as bar:
+            st = _RunState(on_refs, bar)
+            while True:
+                batch = st.retry.popleft() if st.retry else self._next(source, admit, st)
+                if batch is None:
+                    if not st.pending:
+                        break
+                    self._poll(st)
+                    continue
+                while (index := self._free_slot()) is None:
+                    self._poll(st)
+                self._dispatch(batch, index, st)
+        seconds = time.perf_counter() - st.started if st.started is not None else 0.0
+        return PoolStats(len(st.delivered), st.samples, st.tokens, seconds, st.restarts, st.redispatched, st.max_inflight)
+
+    def _next(self, source: Iterator[Batch], admit: Callable[[Batch], None] | None, st: _RunState) -> Batch | None:
+        batch = next(source, None)
+        if batch is None:
+            return None
+        batch_id, samples = batch
+        if batch_id in st.seen:
+            raise ValueError(f"batch id {batch_id!r} appears twice; batch ids must be unique within a run")
+        if not samples:
+            raise ValueError(f"batch {batch_id!r} has no samples")
+        st.seen.add(batch_id)
+        batch = (batch_id, list(samples))
+        if admit is not None:
+            self._while_polling(admit, batch, st)
+        return batch
+
+    def _while_polling(self, fn: Callable[[Batch], None], batch: Batch, st: _RunState) -> None:
+        """Call ``fn(batch)`` on a helper thread and keep delivering finished batches until it returns."""
+        done = threading.Event()
+        error: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                fn(batch)
+            except BaseException as e:  # noqa: BLE001 - re-raised on the driver thread below
+                error.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=call, name="specray-admit", daemon=True).start()
+        while not done.is_set():
+            # Re-send lost batches meanwhile: they were admitted already, and the room ``fn``
+            # waits for may only come once they are delivered.
+            while st.retry and (index := self._free_slot()) is not None:
+                self._dispatch(st.retry.popleft(), index, st)
+            if st.pending or self._probes:
+                self._poll(st, timeout=0.05)
+            else:
+                done.wait(0.05)
+        if error:
+            raise error[0]
+
+    def _free_slot(self) -> int | None:
+        ready = [i for i, s in enumerate(self._slots) if s.probe is None and s.inflight < self.max_inflight_batches]
+        return min(ready, key=lambda i: self._slots[i].inflight) if ready else None
+
+    def _dispatch(self, batch: Batch, index: int, st: _RunState) -> None:
+        slot = self._slots[index]
+        if st.started is None:
+            st.started = time.perf_counter()
+        st.pending[slot.actor.capture.remote(*batch)] = _Attempt(batch, index, slot.generation)
+        slot.inflight += 1
+        st.last_progress = time.monotonic()
+        st.max_inflight = max(st.max_inflight, len(st.pending))
+
+    def _poll(self, st: _RunState, timeout: float = 1.0) -> None:
+        """Wait up to ``timeout`` for finished batches and probes, and handle all that are ready."""
+        waiting = [*st.pending, *self._probes]
+        ready, _ = ray.wait(waiting, num_returns=1, timeout=timeout)
+        if ready:
+            ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=0)
+            st.last_progress = time.monotonic()
+        for ref in ready:
+            if ref in st.pending:
+                self._complete(ref, st)
+            else:
+                self._probed(ref)
+        now = time.monotonic()
+        if any(slot.probe is not None and now > slot.probe_deadline for slot in self._slots):
+            raise TimeoutError(self._start_timeout_message())
+        if st.pending and now - st.last_progress > self.stall_timeout_s:
+            raise TimeoutError(f"no capture batch finished for {self.stall_timeout_s:.0f} s "
+                               f"({len(st.pending)} outstanding); an actor is hung")
+
+    def _start_timeout_message(self) -> str:
+        return (f"a capture actor did not start within {self.start_timeout_s:.0f} s; the cluster may lack "
+                f"{self.num_cpus_per_actor} free CPUs per actor (lower num_actors or num_cpus_per_actor)")
+
+    def _complete(self, ref: ray.ObjectRef, st: _RunState) -> None:
+        attempt = st.pending.pop(ref)
+        self._slots[attempt.slot].inflight -= 1
+        try:
+            refs: list[SampleRef] = ray.get(ref, timeout=self.stall_timeout_s)  # ready: returns at once
+        except RayActorError as e:
+            if e.actor_init_failed:
+                raise RuntimeError(f"capture actor {attempt.slot} failed in its constructor: {e}") from e
+            self._lost(attempt, e, st)
+            return
+        batch_id = attempt.batch[0]
+        if batch_id in st.delivered:  # only one attempt is ever outstanding; guards the exactly-once promise
+            return
+        st.delivered.add(batch_id)
+        st.samples += len(refs)
+        tokens = sum(r.num_tokens for r in refs)
+        st.tokens += tokens
+        st.on_refs(batch_id, refs)
+        st.bar.update(tokens)
+
+    def _lost(self, attempt: _Attempt, error: RayActorError, st: _RunState) -> None:
+        """The attempt died with its actor: send the batch again and probe (or replace) the actor."""
+        batch_id = attempt.batch[0]
+        st.attempts[batch_id] = st.attempts.get(batch_id, 1) + 1
+        if st.attempts[batch_id] > self.max_batch_attempts:
+            raise RuntimeError(
+                f"batch {batch_id!r} lost its actor {self.max_batch_attempts} times (last: {error}); it probably "
+                "kills the actor (out of memory?): lower capture.max_batch_tokens or give actors more memory"
+            )
+        st.retry.append(attempt.batch)
+        st.redispatched += 1
+        slot = self._slots[attempt.slot]
+        if attempt.generation == slot.generation:  # first news of this death
+            slot.generation += 1
+            st.restarts += 1
+            self._probe(attempt.slot)
+
+    def _probe(self, index: int, *, deadline: float | None = None) -> None:
+        slot = self._slots[index]
+        # Retried by Ray across restarts: it fails only once Ray gives the actor up for dead.
+        slot.probe = slot.actor.ready.options(max_task_retries=-1).remote()
+        slot.probe_deadline = deadline if deadline is not None else time.monotonic() + self.start_timeout_s
+        self._probes[slot.probe] = index
+
+    def _probed(self, ref: ray.ObjectRef) -> None:
+        index = self._probes.pop(ref)
+        slot = self._slots[index]
+        try:
+            ray.get(ref, timeout=self.start_timeout_s)  # ready: returns at once
+            slot.probe = None  # up: it takes batches again
+        except ActorUnavailableError:
+            self._probe(index, deadline=slot.probe_deadline)  # restarting or unreachable for now: ask again
+        except RayActorError as e:
+            if e.actor_init_failed:
+                raise RuntimeError(f"capture actor {index} failed in its constructor: {e}") from e
+            # Ray will not bring it back (restarts used up, or killed for good): a fresh actor.
+            ray.kill(slot.actor, no_restart=True)
+            slot.actor = self._actor_cls.remote(*self._actor_args, **self._actor_kwargs)
+            slot.generation += 1
+            self._probe(index)
