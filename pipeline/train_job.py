@@ -20,8 +20,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
 
-from specray.capture.contract import build_contract
-from specray.capture.store import FeatureStore, read_manifest
+from specray.capture.contract import CaptureContract, build_contract
+from specray.capture.store import open_store, read_manifest
 from specray.capture.target import Target, load_target
 from specray.drafters import DRAFTERS
 from specray.pipeline.config import TrainJobConfig
@@ -58,26 +58,30 @@ def drafter_config(cfg: TrainJobConfig, target: Target, layer_ids):
     )
 
 
-def build_trainer(cfg: TrainJobConfig, *, rank: int = 0, world_size: int = 1) -> Trainer:
-    """Everything one rank needs; raises clear errors for a manifest of another contract."""
+@dataclass
+class RankParts:
+    """One rank's drafter, optimizer and checkpoint metadata, whatever feeds it features."""
+
+    core: TrainerCore
+    expected: CaptureContract  # the contract this drafter trains on: the target's, at the captured layers
+    extra: dict  # carried by every checkpoint for export: algorithm, drafter config, contract, provenance
+
+
+def build_rank(cfg: TrainJobConfig, contract: CaptureContract, *, rank: int = 0, world_size: int = 1,
+               provenance: dict | None = None) -> RankParts:
+    """Target, drafter and TrainerCore of one rank, for features captured under ``contract``."""
     strategy_cls = get_strategy(cfg.drafter.algorithm)
-    manifest = read_manifest(cfg.data.manifest, endpoint_url=cfg.data.endpoint_url)
-    store = FeatureStore(manifest.store_uri, endpoint_url=cfg.data.endpoint_url)
     target = load_target(cfg.target.name, dtype=cfg.target.dtype, device=cfg.target.device)
     expected = build_contract(
         cfg.drafter.algorithm, target_fingerprint=target.target_fingerprint,
         template_fingerprint=target.template_fingerprint, num_target_layers=target.num_layers,
-        hidden_size=target.hidden_size, layer_ids=manifest.contract.layer_ids, dtype=manifest.contract.dtype,
+        hidden_size=target.hidden_size, layer_ids=contract.layer_ids, dtype=contract.dtype,
     )
     model_cfg = drafter_config(cfg, target, expected.layer_ids)
     strategy = strategy_cls(num_anchors=cfg.objective.num_anchors, gamma=cfg.objective.gamma, seed=cfg.optim.seed)
     torch.manual_seed(cfg.optim.seed)  # identical initial weights on every rank
     model = strategy.build_model(model_cfg, embed_tokens=target.model.model.embed_tokens,
                                  lm_head=target.model.lm_head, final_norm=target.model.model.norm)
-    loader = FeatureLoader(
-        manifest, store, micro_batch_size=cfg.optim.micro_batch_size, seed=cfg.optim.seed,
-        rank=rank, world_size=world_size, expected=expected, max_length=cfg.data.max_length,
-    )
     o = cfg.optim
     settings = OptimSettings(
         lr=o.lr, weight_decay=o.weight_decay, warmup_steps=o.warmup_steps, total_steps=o.total_steps,
@@ -87,16 +91,31 @@ def build_trainer(cfg: TrainJobConfig, *, rank: int = 0, world_size: int = 1) ->
     extra = {
         "algorithm": cfg.drafter.algorithm,
         "drafter_config": model_cfg.to_dict(),
-        "contract": json.loads(manifest.contract.to_json()),
+        "contract": json.loads(contract.to_json()),
         "provenance": {
             "run": cfg.name, "run_dir": str(cfg.run_dir.resolve()), "target": cfg.target.name,
-            "manifest": str(cfg.data.manifest), "samples": len(manifest.refs), "world_size": world_size,
-            "config": cfg.model_dump(mode="json"),
+            "world_size": world_size, "config": cfg.model_dump(mode="json"), **(provenance or {}),
         },
     }
-    return Trainer(core, loader, run_dir=cfg.run_dir, total_steps=o.total_steps,
+    return RankParts(core, expected, extra)
+
+
+def build_trainer(cfg: TrainJobConfig, *, rank: int = 0, world_size: int = 1) -> Trainer:
+    """Everything one rank needs; raises clear errors for a manifest of another contract."""
+    if cfg.data.manifest is None:
+        raise ValueError("data.manifest is required to train from a manifest; online training reads a "
+                         "SampleBroker instead (actors/trainer.py run_trainer_gang)")
+    manifest = read_manifest(cfg.data.manifest, endpoint_url=cfg.data.endpoint_url)
+    store = open_store(manifest.store_uri, endpoint_url=cfg.data.endpoint_url)
+    parts = build_rank(cfg, manifest.contract, rank=rank, world_size=world_size,
+                       provenance={"manifest": str(cfg.data.manifest), "samples": len(manifest.refs)})
+    loader = FeatureLoader(
+        manifest, store, micro_batch_size=cfg.optim.micro_batch_size, seed=cfg.optim.seed,
+        rank=rank, world_size=world_size, expected=parts.expected, max_length=cfg.data.max_length,
+    )
+    return Trainer(parts.core, loader, run_dir=cfg.run_dir, total_steps=cfg.optim.total_steps,
                    checkpoint_every=cfg.trainer.checkpoint_every, log_every=cfg.trainer.log_every,
-                   keep_last=cfg.trainer.keep_last, extra=extra)
+                   keep_last=cfg.trainer.keep_last, extra=parts.extra)
 
 
 @dataclass(frozen=True)
@@ -179,7 +198,7 @@ def evaluate_export(export_dir: str, manifest_uri: str, *, target_name: str, end
                          target_fingerprint=target.target_fingerprint,
                          template_fingerprint=target.template_fingerprint, contract=contract)
     strategy = get_strategy(read_drafter_config(export_dir)["algorithm"])(num_anchors=num_anchors)
-    store = FeatureStore(manifest.store_uri, endpoint_url=endpoint_url)
+    store = open_store(manifest.store_uri, endpoint_url=endpoint_url)
     with FeatureLoader(manifest, store, micro_batch_size=1, seed=0) as loader:
         result = evaluate(model, model.config, strategy, loader, num_batches=len(manifest.refs))
     return {"export": str(export_dir), "manifest": manifest_uri, "samples": len(manifest.refs), **result}

@@ -1,0 +1,171 @@
+"""SampleBroker: whole windows, the in-flight bound, backpressure, the final window, rewind.
+
+The bookkeeping (``WindowQueue``) is tested in-process; the Ray tests cover what the actor
+adds: waiting, timeouts, every rank getting the same window, the deadlock report.
+"""
+
+import time
+
+import pytest
+
+from specray.actors.broker import (
+    BrokerStalledError,
+    StaleAttemptError,
+    WindowQueue,
+    start_sample_broker,
+)
+from specray.capture.store import SampleRef, TensorMeta
+
+
+def _ref(sample_id: str, num_bytes: int = 100, contract: str = "c0ffee") -> SampleRef:
+    return SampleRef(sample_id, f"features/{sample_id}.safetensors", (TensorMeta("input_ids", (4,), "int64"),),
+                     4, num_bytes, "sha256:" + "0" * 64, contract)
+
+
+def _offer(queue: WindowQueue, *ids: str, num_bytes: int = 100) -> None:
+    assert queue.try_reserve(len(ids), num_bytes * len(ids))
+    queue.offer([_ref(i, num_bytes) for i in ids], reserved_bytes=num_bytes * len(ids))
+
+
+def _ids(window) -> list[str]:
+    return [r.sample_id for r in window.refs]
+
+
+def test_refs_are_released_only_in_whole_windows():
+    queue = WindowQueue(4, max_inflight=16)
+    queue.rewind(0, quantum=4, world_size=2, step=0)
+    _offer(queue, "a", "b", "c")
+    assert queue.try_window(0, 1) == (False, None)
+    _offer(queue, "d", "e")
+    ready, window = queue.try_window(0, 1)
+    assert ready and _ids(window) == ["a", "b", "c", "d"] and window.window_id == "a000-s00000001"
+    assert queue.try_window(0, 1) == (True, window)  # idempotent: every rank gets the same refs
+    assert queue.try_window(0, 2) == (False, None)  # "e" alone is not a window
+    with pytest.raises(ValueError, match="asked for step 5, but the next window is step 2"):
+        queue.try_window(0, 5)
+
+
+def test_a_bound_below_the_quantum_is_refused_with_the_fix():
+    fix = r"max_inflight=3 features is below the window quantum Q=4 .*Raise max_inflight to at least 4"
+    with pytest.raises(ValueError, match=fix):
+        WindowQueue(4, max_inflight=3)
+    with pytest.raises(ValueError, match="max_inflight=3 features is below the window quantum Q=4"):
+        start_sample_broker(4, max_inflight=3)  # checked in the caller, before an actor exists
+    queue = WindowQueue(2, max_inflight=3)
+    with pytest.raises(ValueError, match="below the window quantum Q=4"):
+        queue.rewind(0, quantum=4, world_size=2, step=0)  # a bigger gang on the same stream
+
+
+def test_offers_need_a_reservation_the_contract_and_unique_ids():
+    queue = WindowQueue(2, max_inflight=4, contract_id="c0ffee")
+    with pytest.raises(ValueError, match="without a matching reservation"):
+        queue.offer([_ref("a")], reserved_bytes=100)
+    assert queue.try_reserve(2, 200)
+    with pytest.raises(ValueError, match="captured under contract other"):
+        queue.offer([_ref("a", contract="other")], reserved_bytes=100)
+    queue.offer([_ref("a")], reserved_bytes=100)
+    with pytest.raises(ValueError, match="'a' is already in flight"):
+        queue.offer([_ref("a")], reserved_bytes=100)
+    queue.cancel(1, 100)
+    assert queue.stats()["reserved"] == 0 and queue.stats()["inflight"] == 1
+
+
+def test_final_partial_window_is_released_not_dropped():
+    queue = WindowQueue(4, max_inflight=16)
+    queue.rewind(0, quantum=4, world_size=2, step=0)
+    _offer(queue, *"abcdef")
+    assert _ids(queue.try_window(0, 1)[1]) == list("abcd")
+    assert queue.try_window(0, 2) == (False, None)  # the stream may still bring two more
+    assert queue.try_reserve(1, 100)
+    queue.close()
+    assert queue.try_window(0, 2) == (False, None)  # a reserved feature is still coming
+    queue.offer([_ref("g")], reserved_bytes=100)
+    ready, last = queue.try_window(0, 2)
+    assert ready and _ids(last) == ["e", "f", "g"] and last.partial
+    assert queue.try_window(0, 3) == (True, None) and queue.ended  # end of stream, the same for every rank
+    assert queue.try_window(0, 3) == (True, None)
+    with pytest.raises(ValueError, match="stream is closed"):
+        queue.try_reserve(1, 100)
+
+
+def test_rewind_requeues_unfinished_windows_in_order_and_resplits_them():
+    queue = WindowQueue(4, max_inflight=16)
+    queue.rewind(0, quantum=4, world_size=2, step=0)
+    _offer(queue, *"abcdefghij")
+    first, second = queue.try_window(0, 1)[1], queue.try_window(0, 2)[1]
+    assert _ids(first) == list("abcd") and _ids(second) == list("efgh")
+    # attempt 0 checkpointed step 1 and died during step 2: one rank, Q = 2 now
+    requeued = queue.rewind(1, quantum=2, world_size=1, step=1, history=_ids(first))
+    assert requeued == 4
+    assert [_ids(queue.try_window(1, s)[1]) for s in (2, 3, 4)] == [["e", "f"], ["g", "h"], ["i", "j"]]
+    assert queue.stats()["inflight"] == 6  # a-d freed with the history
+    with pytest.raises(StaleAttemptError, match="attempt 0, but the broker serves attempt 1"):
+        queue.try_window(0, 3)  # a straggler of the dead group
+    with pytest.raises(StaleAttemptError):
+        queue.rewind(1, quantum=2, world_size=1, step=1)
+
+    fresh = WindowQueue(2, max_inflight=8)  # a new broker learns dispatched refs from the ledger alone
+    fresh.rewind(3, quantum=2, world_size=1, step=4, redispatch=[_ref("x"), _ref("y"), _ref("z")])
+    assert _ids(fresh.try_window(3, 5)[1]) == ["x", "y"]
+    assert fresh.stats()["inflight"] == 3
+
+
+def test_release_frees_capacity_and_peaks_are_tracked():
+    queue = WindowQueue(2, max_inflight=4, max_inflight_bytes=1000)
+    queue.rewind(0, quantum=2, world_size=1, step=0)
+    _offer(queue, "a", "b", num_bytes=300)
+    assert queue.try_reserve(1, 300)
+    assert not queue.fits(1, 300)  # 900 + 300 bytes > 1000, though 4 features would fit
+    assert queue.fits(1, 100)
+    window = queue.try_window(0, 1)[1]
+    assert queue.release(_ids(window)) == 2
+    assert queue.release(_ids(window)) == 0  # idempotent
+    assert queue.fits(1, 300)
+    stats = queue.stats()
+    assert (stats["inflight"], stats["inflight_bytes"]) == (1, 300)
+    assert (stats["peak_inflight"], stats["peak_inflight_bytes"]) == (3, 900)
+    assert stats["dispatched_windows"] == 0 and stats["released_total"] == 2
+
+
+@pytest.mark.ray
+def test_actor_backpressure_blocks_at_the_bound_and_resumes_after_release(ray_cluster):
+    import ray
+
+    broker = start_sample_broker(2, max_inflight=4)
+    ray.get(broker.rewind.remote(0, quantum=2, world_size=2, step=0), timeout=60)
+    assert ray.get(broker.reserve.remote(4, num_bytes=400, timeout=0), timeout=30)
+    ray.get(broker.offer.remote([_ref(i) for i in "abcd"], reserved_bytes=400), timeout=30)
+    assert ray.get(broker.reserve.remote(1, num_bytes=100, timeout=0), timeout=30) is False
+    started = time.monotonic()
+    assert ray.get(broker.reserve.remote(1, num_bytes=100, timeout=0.5), timeout=30) is False
+    assert time.monotonic() - started >= 0.5
+    waiting = broker.reserve.remote(2, num_bytes=200, timeout=60)
+    assert ray.wait([waiting], timeout=1.0)[0] == []  # blocked at the bound
+    windows = ray.get([broker.next_window.remote(0, 1, timeout=30) for _ in range(2)], timeout=60)
+    assert windows[0] == windows[1] and [r.sample_id for r in windows[0].refs] == ["a", "b"]
+    assert ray.wait([waiting], timeout=0.5)[0] == []  # dispatched is still in flight
+    assert ray.get(broker.release.remote(["a", "b"]), timeout=30) == 2
+    assert ray.get(waiting, timeout=30) is True
+    stats = ray.get(broker.stats.remote(), timeout=30)
+    assert stats["inflight"] == 4 and stats["peak_inflight"] == 4
+    with pytest.raises(TimeoutError, match="no window for attempt 0 step 3"):
+        ray.get([broker.next_window.remote(0, 2, timeout=5), broker.next_window.remote(0, 3, timeout=0.2)], timeout=60)
+    ray.kill(broker)
+
+
+@pytest.mark.ray
+def test_actor_reports_a_deadlock_instead_of_hanging(ray_cluster):
+    import ray
+
+    # Q = 4 but the byte bound holds only three 100-byte features: no window can ever fill.
+    broker = start_sample_broker(4, max_inflight=8, max_inflight_bytes=300)
+    ray.get(broker.rewind.remote(0, quantum=4, world_size=1, step=0), timeout=60)
+    assert ray.get(broker.reserve.remote(3, num_bytes=300, timeout=0), timeout=30)
+    ray.get(broker.offer.remote([_ref(i) for i in "abc"], reserved_bytes=300), timeout=30)
+    window = broker.next_window.remote(0, 1, timeout=60)
+    assert ray.wait([window], timeout=0.5)[0] == []
+    with pytest.raises(BrokerStalledError, match="deadlock: all 1 ranks wait for window step 1 .*3 of Q=4"):
+        ray.get(broker.reserve.remote(1, num_bytes=100, timeout=60), timeout=30)
+    with pytest.raises(BrokerStalledError):
+        ray.get(window, timeout=30)
+    ray.kill(broker)

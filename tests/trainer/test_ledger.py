@@ -1,0 +1,152 @@
+"""The ack ledger: atomic append, replay, lineage across attempts, recovery plan, audit, torn txns."""
+
+import json
+import os
+
+import pytest
+
+from specray.capture.store import FeatureStore, SampleRef, TensorMeta
+from specray.trainer.ledger import Ledger, LedgerError, audit, recovery_plan
+
+
+def _ref(sample_id: str) -> SampleRef:
+    return SampleRef(sample_id, f"features/{sample_id}.safetensors", (TensorMeta("input_ids", (4,), "int64"),),
+                     4, 128, "sha256:" + "0" * 64, "c0ffee")
+
+
+def _refs(*ids: str) -> list[SampleRef]:
+    return [_ref(i) for i in ids]
+
+
+def _crashed_then_resumed(ledger: Ledger) -> None:
+    """Attempt 0 trains s1, s2, checkpoints at 2, trains s3 and dies with w4 dispatched.
+
+    Attempt 1 resumes from (0, 2); its window s3 re-splits w3 + w4 (Q 4 -> 2), only 2 of them fit.
+    """
+    ledger.attempt(0, parent=None, world_size=2, quantum=2, checkpoint=None, run="r")
+    for step, ids in ((1, "ab"), (2, "cd")):
+        ledger.dispatched(0, step, f"w{step}", _refs(*ids))
+        ledger.trained(0, step, f"w{step}", list(ids))
+    ledger.checkpointed(0, 2, "ck-0-2")
+    ledger.dispatched(0, 3, "w3", _refs("e", "f"))
+    ledger.trained(0, 3, "w3", ["e", "f"])
+    ledger.dispatched(0, 4, "w4", _refs("g", "h"))
+    ledger.attempt(1, parent=(0, 2), world_size=1, quantum=2, checkpoint="ck-0-2", run="r")
+    ledger.dispatched(1, 3, "x3", _refs("e", "f"))
+    ledger.trained(1, 3, "x3", ["f", "e"])
+    ledger.checkpointed(1, 3, "ck-1-3")
+
+
+def test_append_writes_one_atomic_file_per_txn_and_replays_in_order(tmp_path):
+    ledger = Ledger(str(tmp_path / "ledger"))
+    ledger.attempt(0, parent=None, world_size=2, quantum=4, checkpoint=None, run="r")
+    ledger.dispatched(0, 1, "w1", _refs("a", "b"))
+    names = sorted(os.listdir(tmp_path / "ledger"))
+    assert names == ["txn-0000000000.json", "txn-0000000001.json"]  # no temp file left behind
+    first = json.loads((tmp_path / "ledger" / names[0]).read_text())
+    assert first["kind"] == "attempt" and first["seq"] == 0 and first["run"] == "r"
+
+    again = Ledger((tmp_path / "ledger").as_uri())  # a new writer continues the sequence
+    again.trained(0, 1, "w1", ["a", "b"])
+    txns = again.read()
+    assert [(t.seq, t.kind) for t in txns] == [(0, "attempt"), (1, "dispatched"), (2, "trained")]
+    assert ledger.replay().windows["w1"] == _refs("a", "b")  # refs round-trip in full
+
+    with pytest.raises(LedgerError, match="txn-0000000002.json already exists: another process"):
+        ledger.checkpointed(0, 1, "ck")  # the first writer's cached seq is stale: a second writer
+    with pytest.raises(ValueError, match=r"a 'trained' transaction needs \['sample_ids'\]"):
+        again.append("trained", attempt=0, step=1, window="w1")
+
+
+def test_torn_or_missing_txn_is_an_error_naming_the_file(tmp_path):
+    ledger = Ledger(str(tmp_path))
+    _crashed_then_resumed(ledger)
+    torn = tmp_path / "txn-0000000005.json"
+    good = torn.read_bytes()
+    torn.write_bytes(good[: len(good) // 2])
+    with pytest.raises(LedgerError, match="txn-0000000005.json is torn or not JSON"):
+        ledger.replay()
+    torn.write_text(json.dumps({"seq": 5, "kind": "trained", "attempt": 0}))
+    with pytest.raises(LedgerError, match=r"txn-0000000005.json \(trained\) lacks \['step', 'window', 'sample_ids'\]"):
+        ledger.read()
+    torn.unlink()
+    with pytest.raises(LedgerError, match="has no .*txn-0000000005.json but has later transactions"):
+        ledger.read()
+
+
+def test_lineage_follows_the_attempt_chain(tmp_path):
+    ledger = Ledger(str(tmp_path))
+    _crashed_then_resumed(ledger)
+    state = ledger.replay()
+    assert state.next_attempt == 2
+    assert state.last_checkpoint()["location"] == "ck-1-3"
+    assert [(t["attempt"], t["step"], t["window"]) for t in state.lineage(1, 3)] == [
+        (0, 1, "w1"), (0, 2, "w2"), (1, 3, "x3")]  # attempt 0's s3 (w3) is not in it
+    assert [t["window"] for t in state.lineage(0, 2)] == ["w1", "w2"]
+    assert [t["window"] for t in state.lineage(0, 3)] == ["w1", "w2", "w3"]
+    with pytest.raises(LedgerError, match="attempt 7"):
+        state.lineage(7, 1)
+
+
+def test_recovery_plan_redispatches_everything_outside_the_history_in_order(tmp_path):
+    ledger = Ledger(str(tmp_path / "ledger"))
+    _crashed_then_resumed(ledger)
+    ledger.deleted(["w1"], [r.key for r in _refs("a", "b")])  # deletion of w2 crashed before its txn
+    state = ledger.replay()
+
+    plan = recovery_plan(state, (0, 2))  # what attempt 1 saw when it started
+    assert plan.history == {"a", "b", "c", "d"}
+    assert [r.sample_id for r in plan.redispatch] == ["e", "f", "g", "h"]  # w3 was trained but not checkpointed
+    assert plan.delete_windows == ["w2"] and plan.delete_keys == [_ref("c").key, _ref("d").key]
+    assert plan.lost == []
+
+    plan = recovery_plan(state, (1, 3))  # a restart after attempt 1's checkpoint
+    assert plan.history == {"a", "b", "c", "d", "e", "f"}
+    assert [r.sample_id for r in plan.redispatch] == ["g", "h"]
+    assert plan.delete_windows == ["w2", "x3"]
+
+    scratch = recovery_plan(state, None)  # from scratch, the deleted w1 cannot be trained again
+    assert [r.sample_id for r in scratch.redispatch] == list("cdefgh") and scratch.lost == ["a", "b"]
+
+    store = FeatureStore(str(tmp_path / "store"))
+    store.put_bytes(_ref("h").key, b"features of h")
+    plan = recovery_plan(state, (1, 3), store=store)
+    assert [r.sample_id for r in plan.redispatch] == ["h"] and plan.lost == ["g"]  # g's blob is gone
+    ledger.deleted(["x3"], [r.key for r in _refs("e", "f")])
+    assert recovery_plan(ledger.replay(), (0, 2)).lost == ["e", "f"]  # deleted under the later checkpoint (1, 3)
+
+
+def test_audit_passes_exactly_once_and_catches_duplicates_missing_and_leftovers(tmp_path):
+    store = FeatureStore(str(tmp_path / "store"))
+    ledger = Ledger(str(tmp_path / "ledger"))
+    _crashed_then_resumed(ledger)
+    report = audit(ledger, source_ids="abcdef", store=store)
+    assert report.ok, report.summary()
+    assert report.final == (1, 3) and report.trained == 6
+
+    ledger.attempt(2, parent=(1, 3), world_size=1, quantum=2, checkpoint="ck-1-3", run="r")
+    ledger.dispatched(2, 4, "y4", _refs("a", "g"))  # "a" was trained in step 1 already
+    ledger.trained(2, 4, "y4", ["a", "g"])
+    ledger.checkpointed(2, 4, "ck-2-4")
+    store.put_bytes(_ref("g").key, b"never deleted")
+    report = audit(ledger, source_ids="abcdefgh", store=store)
+    assert not report.ok
+    assert report.duplicates == {"a": 2}
+    assert report.missing == ["h"] and report.unexpected == []
+    assert report.leftover_keys == [_ref("g").key]
+    assert "duplicates 1 ['a']" in report.summary()
+    assert audit(ledger, source_ids="abcdef", store=store, final=(0, 2)).missing == ["e", "f"]
+
+
+@pytest.mark.s3
+def test_ledger_on_s3(seaweedfs):
+    ledger = Ledger(seaweedfs.uri("ledger-test"))
+    _crashed_then_resumed(ledger)
+    state = Ledger(seaweedfs.uri("ledger-test")).replay()
+    assert [t["window"] for t in state.lineage(1, 3)] == ["w1", "w2", "x3"]
+    Ledger(seaweedfs.uri("ledger-test")).deleted([], [])  # a second writer takes the next seq
+    with pytest.raises(LedgerError, match="another process"):
+        ledger.deleted([], [])
+    ledger.fs.pipe_file(f"{ledger.root}/txn-0000000003.json", b'{"seq": 3, "ki')
+    with pytest.raises(LedgerError, match="txn-0000000003.json is torn"):
+        ledger.replay()
