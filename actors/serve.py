@@ -1,0 +1,206 @@
+"""Ray Serve deployment of the OpenAI-compatible server: autoscaled replicas that hot-load drafters.
+
+    handle = start_serving(load_config(ServeJobConfig, "manifests/serve.yaml"))
+    client = openai.OpenAI(base_url=handle.base_url, api_key=handle.api_key or "unused")
+    client.chat.completions.create(model=handle.model, messages=[{"role": "user", "content": "Hi"}])
+    handle.stop()
+
+or ``specray serve -c manifests/serve.yaml [section.field=value …]`` (until Ctrl-C).
+
+Each replica (``SpecrayReplica``) loads the target, owns an ``Engine`` stepped by an
+``EngineLoop`` thread and, with a registry, a ``RegistryPoller`` thread that pulls each newer
+drafter version and hot-loads it between engine steps (serving/engine.py, serving/registry.py).
+Its HTTP app is serving/openai_api.py's, built in the replica (a FastAPI ingress), so Ray adds
+only what Ray is for: the proxy on ``http.host:http.port`` (127.0.0.1 by default; any other
+host is refused without an API key), Serve's autoscaler between ``min_replicas`` and
+``max_replicas`` aiming at ``target_ongoing_requests`` per replica, and replacement of a
+replica that died or whose engine loop thread stopped (``check_health``). Local paths in the
+config are made absolute for the replicas; on a cluster of several machines use an ``s3://``
+registry, since replicas may run where the driver's files are not.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import ray
+import torch
+from ray import serve
+
+from specray.capture.target import load_target
+from specray.serving.engine import Engine, EngineLoop
+from specray.serving.openai_api import create_app
+from specray.serving.registry import DrafterRegistry, RegistryPoller
+
+if TYPE_CHECKING:
+    from specray.pipeline.config import ServeJobConfig
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What one replica needs, as plain values (built from a ServeJobConfig by ``replica_spec``)."""
+
+    target: str
+    dtype: str
+    device: str
+    model_name: str
+    max_batch: int
+    max_len: int
+    drafter_dir: str | None  # absolute; the version to start with (None = autoregressive)
+    registry_uri: str | None  # absolute file:// or s3://
+    registry_endpoint_url: str | None
+    poll_interval_s: float
+    cache_dir: str  # absolute; pulled versions
+    num_threads: int | None
+    api_key: str | None
+
+
+def _absolute_uri(uri: str) -> str:
+    """Replicas run in other working directories: make paths and relative file:// URIs absolute."""
+    if uri.startswith("s3://"):
+        return uri
+    return Path(uri.removeprefix("file://")).resolve().as_uri()
+
+
+def replica_spec(cfg: ServeJobConfig, api_key: str | None) -> ReplicaSpec:
+    return ReplicaSpec(
+        target=str(Path(cfg.target.name).resolve()) if Path(cfg.target.name).is_dir() else cfg.target.name,
+        dtype=cfg.target.dtype, device=cfg.target.device, model_name=cfg.served_model_name,
+        max_batch=cfg.engine.max_batch, max_len=cfg.engine.max_len,
+        drafter_dir=str(Path(cfg.engine.drafter).resolve()) if cfg.engine.drafter else None,
+        registry_uri=_absolute_uri(cfg.registry.uri) if cfg.registry.uri else None,
+        registry_endpoint_url=cfg.registry.endpoint_url, poll_interval_s=cfg.registry.poll_interval_s,
+        cache_dir=str(Path(cfg.registry.cache_dir or cfg.run_dir / "drafter-cache").resolve()),
+        num_threads=cfg.engine.num_threads, api_key=api_key,
+    )
+
+
+@serve.deployment
+@serve.ingress()
+class SpecrayReplica:
+    """One serving replica: target + engine loop + registry poller; its ASGI app is built per replica."""
+
+    def __init__(self, spec: ReplicaSpec):
+        if spec.num_threads:
+            torch.set_num_threads(spec.num_threads)
+        self.spec = spec
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        target = load_target(spec.target, dtype=spec.dtype, device=spec.device)
+        self.engine = Engine(target, spec.drafter_dir, max_batch=spec.max_batch, max_len=spec.max_len)
+        self.loop = EngineLoop(self.engine).start()
+        self.poller = None
+        if spec.registry_uri:
+            registry = DrafterRegistry(spec.registry_uri, endpoint_url=spec.registry_endpoint_url)
+            self.poller = RegistryPoller(registry, self.engine, cache_dir=spec.cache_dir,
+                                         interval_s=spec.poll_interval_s).start()
+
+    def __serve_build_asgi_app__(self):
+        return create_app(self.engine, model_name=self.spec.model_name, api_key=self.spec.api_key,
+                          replica_info=self.info)
+
+    def info(self) -> dict:
+        """Shown by /health and /metrics: which replica answered, and why hot-loading last failed."""
+        return {"replica": self.replica, "registry_error": self.poller.last_error if self.poller else None}
+
+    def check_health(self) -> None:
+        if not self.loop.alive:
+            raise RuntimeError("the engine loop thread is not running")
+
+    def __del__(self):
+        if self.poller is not None:
+            self.poller.stop(timeout=5)
+        self.loop.stop(timeout=5)
+
+
+@dataclass(frozen=True)
+class ServeHandle:
+    """A running Serve application. ``base_url`` is what OpenAI clients take."""
+
+    url: str  # http://127.0.0.1:8000
+    model: str
+    api_key: str | None
+    app_name: str
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def stop(self) -> None:
+        """Delete the application (its replicas); Serve's proxy stays for other applications."""
+        serve.delete(self.app_name)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: only "localhost" is known to be loopback
+        return False
+
+
+def _connect(address: str | None, num_cpus: int | None) -> None:
+    """Join the configured cluster, the job's (RAY_ADDRESS), or start a local one on loopback."""
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+
+
+def _wait_ready(url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the serve app is deployed but {url}/health does not answer ({e}); if Serve was already "
+                    "running on this cluster with other http options, they were kept: stop it (serve.shutdown()) "
+                    "or use its host and port"
+                ) from None
+        time.sleep(0.5)
+
+
+def application(cfg: ServeJobConfig, api_key: str | None):
+    """The bound Serve application (replicas + autoscaling) that ``serve.run`` or a Serve config deploys."""
+    a = cfg.autoscaling
+    return SpecrayReplica.options(
+        name="SpecrayReplica",
+        autoscaling_config={"min_replicas": a.min_replicas, "initial_replicas": a.min_replicas,
+                            "max_replicas": a.max_replicas, "target_ongoing_requests": a.target_ongoing_requests,
+                            "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": a.downscale_delay_s},
+        max_ongoing_requests=cfg.replica.max_ongoing_requests,
+        ray_actor_options={"num_cpus": cfg.replica.num_cpus},
+    ).bind(replica_spec(cfg, api_key))
+
+
+def start_serving(cfg: ServeJobConfig, *, timeout_s: float = 600.0) -> ServeHandle:
+    """Deploy the replicas described by ``cfg`` and return once ``/health`` answers over HTTP."""
+    api_key = cfg.http.api_key or os.environ.get("SPECRAY_API_KEY") or None
+    if not is_loopback(cfg.http.host) and not api_key:
+        raise ValueError(
+            f"http.host={cfg.http.host!r} makes the server reachable from other machines; set http.api_key "
+            "(or $SPECRAY_API_KEY) so requests need 'Authorization: Bearer <key>', or serve on http.host=127.0.0.1"
+        )
+    app = application(cfg, api_key)
+    _connect(cfg.ray.address, cfg.ray.num_cpus)
+    serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
+    serve.run(app, name=cfg.name, route_prefix="/")
+    host = "127.0.0.1" if cfg.http.host in ("0.0.0.0", "::") else cfg.http.host
+    handle = ServeHandle(f"http://{host}:{cfg.http.port}", cfg.served_model_name, api_key, cfg.name)
+    _wait_ready(handle.url, timeout_s)
+    return handle

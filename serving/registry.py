@@ -1,0 +1,173 @@
+"""Versioned drafter exports on any fsspec store, and the poller that hot-loads new ones.
+
+    registry = DrafterRegistry("s3://bucket/drafters", endpoint_url="http://127.0.0.1:8333")
+    version = registry.publish("runs/train-dflash/exports/step-00002000")    # 1, 2, 3, …
+    local_dir = registry.pull(registry.latest(), cache_dir="/tmp/specray-drafters")
+
+Layout: ``<uri>/v000001/`` holds a copy of one export directory (``drafters/format.py``) and a
+``COMPLETE`` marker. The marker is written last, after every file, and only versions that have
+it are listed, so a reader never sees a version half-copied; a publish that crashed leaves a
+directory without a marker that is never listed and whose number is never reused. Versions
+are monotonic: the next one is one more than the highest directory present. The registry
+assumes one publisher at a time (the trainer or the pipeline driver that exports).
+
+Nothing is validated here: an export for another target, or with corrupt weights, publishes
+fine and is refused where it is loaded (``load_drafter`` checks fingerprints, contract and
+sha256), so replicas keep serving the version they have.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from specray.capture.store import open_fs
+
+log = logging.getLogger(__name__)
+
+MARKER = "COMPLETE"
+_VERSION_DIR = re.compile(r"^v(\d{6,})$")
+
+
+def version_dir(version: int) -> str:
+    return f"v{version:06d}"
+
+
+class DrafterRegistry:
+    """``publish / versions / latest / pull`` of drafter exports under one root URI."""
+
+    def __init__(self, uri: str, endpoint_url: str | None = None):
+        self.uri = uri
+        self.fs, root, self.protocol = open_fs(uri, endpoint_url=endpoint_url)
+        self.root = root.rstrip("/")
+
+    def __repr__(self) -> str:
+        return f"DrafterRegistry({self.uri!r})"
+
+    def _numbers(self) -> dict[int, str]:
+        """Every version directory, complete or not: number -> path."""
+        self.fs.invalidate_cache(self.root)  # pollers must see what other processes published
+        if not self.fs.exists(self.root):
+            return {}
+        found = {}
+        for path in self.fs.ls(self.root, detail=False):
+            match = _VERSION_DIR.match(path.rstrip("/").rsplit("/", 1)[-1])
+            if match:
+                found[int(match.group(1))] = path.rstrip("/")
+        return found
+
+    def versions(self) -> list[int]:
+        """Complete versions, ascending."""
+        return sorted(n for n, path in self._numbers().items() if self.fs.exists(f"{path}/{MARKER}"))
+
+    def latest(self) -> int | None:
+        versions = self.versions()
+        return versions[-1] if versions else None
+
+    def publish(self, export_dir: str | Path) -> int:
+        """Copy an export directory in as the next version; returns its number."""
+        source = Path(export_dir)
+        files = sorted(p for p in source.rglob("*") if p.is_file()) if source.is_dir() else []
+        if not files:
+            raise FileNotFoundError(f"{source} is not a directory with files; publish an export dir (specray export)")
+        version = max(self._numbers(), default=0) + 1
+        target = f"{self.root}/{version_dir(version)}"
+        self.fs.makedirs(target, exist_ok=True)
+        for path in files:
+            rel = path.relative_to(source).as_posix()
+            if "/" in rel:
+                self.fs.makedirs(f"{target}/{rel.rsplit('/', 1)[0]}", exist_ok=True)
+            self.fs.put_file(str(path), f"{target}/{rel}")
+        marker = {"version": version, "source": str(source.resolve()), "published_at": time.time(),
+                  "files": {p.relative_to(source).as_posix(): p.stat().st_size for p in files}}
+        self.fs.pipe_file(f"{target}/{MARKER}", json.dumps(marker, indent=2).encode())  # last: the version is visible
+        return version
+
+    def pull(self, version: int, cache_dir: str | Path) -> Path:
+        """A local copy of ``version`` under ``cache_dir`` (reused when already pulled)."""
+        local = Path(cache_dir) / version_dir(version)
+        if (local / MARKER).is_file():
+            return local
+        source = f"{self.root}/{version_dir(version)}"
+        if not self.fs.exists(f"{source}/{MARKER}"):
+            raise FileNotFoundError(f"{self.uri} has no complete version {version}; it has {self.versions()}")
+        marker = json.loads(self.fs.cat_file(f"{source}/{MARKER}"))
+        local.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=local.parent, prefix=f".{local.name}-"))
+        try:
+            for rel, size in marker["files"].items():
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                self.fs.get_file(f"{source}/{rel}", str(tmp / rel))
+                if (tmp / rel).stat().st_size != size:
+                    raise OSError(f"{source}/{rel}: {(tmp / rel).stat().st_size} bytes, the registry recorded {size}")
+            (tmp / MARKER).write_text(json.dumps(marker, indent=2))
+            os.chmod(tmp, 0o755)
+            try:
+                os.rename(tmp, local)
+            except OSError:  # another replica on this node pulled it first: use theirs
+                if not (local / MARKER).is_file():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return local
+
+
+class RegistryPoller:
+    """Every ``interval_s``, pull the registry's latest version if it is newer than any seen and
+    hand it to ``engine.load_drafter`` (which validates it in the background and switches between
+    steps). A version the engine rejects is not retried; a registry that cannot be read is
+    retried at the next poll (``last_error`` says why)."""
+
+    def __init__(self, registry: DrafterRegistry, engine, *, cache_dir: str | Path, interval_s: float = 10.0,
+                 load_timeout_s: float = 600.0):
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        self.registry, self.engine = registry, engine
+        self.cache_dir = Path(cache_dir)
+        self.interval_s, self.load_timeout_s = interval_s, load_timeout_s
+        self.seen: int = 0  # highest version handed to the engine (loaded or rejected)
+        self.last_error: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def poll(self) -> int | None:
+        """One check; blocks until a new version is ready in the engine. Returns the version that
+        was loaded, or None (nothing new, or the engine rejected it)."""
+        latest = self.registry.latest()
+        if latest is None or latest <= self.seen:
+            return None
+        local = self.registry.pull(latest, self.cache_dir)
+        self.seen = latest
+        error = self.engine.load_drafter(str(local), latest).exception(timeout=self.load_timeout_s)
+        if error is not None:
+            self.last_error = f"version {latest} rejected: {error}"
+            return None
+        self.last_error = None
+        return latest
+
+    def start(self) -> RegistryPoller:
+        self._thread = threading.Thread(target=self._run, daemon=True, name="specray-registry-poller")
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:  # the first poll at once: a new replica starts on the newest version
+            try:
+                self.poll()
+            except Exception as e:  # noqa: BLE001 - a registry outage must not end hot-loading; retried next poll
+                self.last_error = f"{type(e).__name__}: {e}"
+                log.warning("polling %s failed: %s", self.registry.uri, self.last_error)
+            if self._stop.wait(self.interval_s):
+                return

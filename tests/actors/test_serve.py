@@ -1,0 +1,180 @@
+"""Ray Serve replicas through the real ``openai`` client: completions, chat, streaming, concurrent
+clients, a hot-load under load with no failed request, a refused bad version, and a killed
+replica replaced. One Serve app (debug target, file:// registry) is shared by the module."""
+
+import json
+import threading
+import time
+import urllib.request
+
+import openai
+import pytest
+import torch
+from conftest import free_port
+
+from specray.capture.contract import build_contract
+from specray.drafters.dflash import DFlashConfig, DFlashDrafter
+from specray.drafters.format import save_drafter
+from specray.pipeline.config import ServeJobConfig, load_config
+from specray.serving.registry import DrafterRegistry
+
+pytestmark = pytest.mark.ray
+
+KEY = "sk-serve-test"
+GREEDY = {"temperature": 0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
+
+
+def _export(target, out, seed: int):
+    """An untrained DFlash drafter for the debug target, exported like a trained one."""
+    contract = build_contract("dflash", target_fingerprint=target.target_fingerprint,
+                              template_fingerprint=target.template_fingerprint, num_target_layers=target.num_layers,
+                              hidden_size=target.hidden_size)
+    cfg = DFlashConfig(hidden_size=target.hidden_size, vocab_size=target.vocab_size,
+                       target_layer_ids=contract.layer_ids, mask_token_id=0, num_layers=1, num_heads=4,
+                       num_kv_heads=2, head_dim=16, intermediate_size=128, block_size=4)
+    torch.manual_seed(seed)
+    model = DFlashDrafter(cfg, embed_tokens=target.model.model.embed_tokens, lm_head=target.model.lm_head)
+    return save_drafter(out, model, contract=json.loads(contract.to_json()), provenance={"run": f"random-{seed}"})
+
+
+def _get(url: str) -> dict:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def _content(chunks) -> str:
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except (OSError, openai.APIError):  # the app is not answering yet
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def test_a_public_host_without_api_key_is_refused(monkeypatch, capsys):
+    from specray.pipeline.cli import main
+
+    monkeypatch.delenv("SPECRAY_API_KEY", raising=False)
+    assert main(["serve", "-c", "manifests/serve.yaml", "http.host=0.0.0.0"]) == 2  # before Ray or Serve start
+    assert "set http.api_key" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def served(ray_cluster, debug_target, tmp_path_factory):
+    from ray import serve
+
+    from specray.actors.serve import start_serving
+
+    root = tmp_path_factory.mktemp("serve")
+    registry = DrafterRegistry(str(root / "registry"))
+    assert registry.publish(_export(debug_target, root / "export-1", seed=0)) == 1
+    cfg = load_config(ServeJobConfig, "manifests/serve.yaml", [
+        "name=specray-test", "target.name=debug", f"registry.uri={root / 'registry'}", "registry.poll_interval_s=0.5",
+        f"http.port={free_port()}", f"http.api_key={KEY}", "engine.max_len=256", "engine.num_threads=1",
+        "autoscaling.max_replicas=1", f"output.run_dir={root}",
+    ])
+    handle = start_serving(cfg, timeout_s=300)
+    try:
+        _wait_for(lambda: _get(f"{handle.url}/metrics")["active_version"] == 1, 120, "drafter v1 to load")
+        client = openai.OpenAI(base_url=handle.base_url, api_key=KEY, timeout=120, max_retries=0)
+        yield handle, client, registry, root
+    finally:
+        handle.stop()
+        serve.shutdown()
+
+
+def test_completions_chat_and_streaming(served):
+    handle, client, _, _ = served
+    completion = client.completions.create(model=handle.model, prompt="Once upon a time", **GREEDY)
+    assert completion.usage.completion_tokens == 12 and completion.system_fingerprint == "specray-drafter-v1"
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(model=handle.model, messages=messages, **GREEDY)
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].finish_reason == "length"
+    stream = client.chat.completions.create(model=handle.model, messages=messages, stream=True, **GREEDY)
+    chunks = list(stream)
+    assert len(chunks) > 2 and _content(chunks) == chat.choices[0].message.content
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=handle.base_url, api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=handle.model, prompt="x", temperature=-1)
+    assert [m.id for m in client.models.list()] == ["debug"]
+
+
+def _clients(handle, client, stop: threading.Event, results: list, errors: list, n: int = 8):
+    """n threads sending the same greedy chat request until ``stop`` (each at least twice)."""
+
+    def run():
+        sent = 0
+        while sent < 2 or not stop.is_set():
+            try:
+                stream = sent % 2 == 1
+                reply = client.chat.completions.create(model=handle.model, messages=[{"role": "user", "content": "Hi"}],
+                                                       stream=stream, **GREEDY)
+                if stream:
+                    chunks = list(reply)
+                    results.append((chunks[0].system_fingerprint, _content(chunks)))
+                else:
+                    results.append((reply.system_fingerprint, reply.choices[0].message.content))
+            except Exception as e:  # noqa: BLE001 - every failure is counted and reported by the test
+                errors.append(repr(e))
+            sent += 1
+
+    threads = [threading.Thread(target=run) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_concurrent_clients_and_hot_load_without_failures(served, debug_target):
+    handle, client, registry, root = served
+    stop, results, errors = threading.Event(), [], []
+    threads = _clients(handle, client, stop, results, errors)
+    try:
+        _wait_for(lambda: len(results) >= 8, 120, "a first round of answers")
+        assert registry.publish(_export(debug_target, root / "export-2", seed=1)) == 2  # while requests run
+        _wait_for(lambda: _get(f"{handle.url}/metrics")["active_version"] == 2, 120, "drafter v2 to be active")
+        seen = len(results)
+        _wait_for(lambda: len(results) >= seen + 8, 120, "answers from v2")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=180)
+    assert errors == [] and len(results) >= 16
+    assert {f for f, _ in results} == {"specray-drafter-v1", "specray-drafter-v2"}
+    assert len({text for _, text in results}) == 1  # greedy output is the target's, whichever drafter drafted
+
+    corrupt = root / "export-3"
+    corrupt.mkdir()
+    for f in (root / "export-2").iterdir():
+        (corrupt / f.name).write_bytes(f.read_bytes())
+    (corrupt / "model.safetensors").write_bytes(b"\0" * 64)
+    assert registry.publish(corrupt) == 3
+    metrics = _wait_for(lambda: (m := _get(f"{handle.url}/metrics"))["rejected_versions"] and m, 120, "v3 rejected")
+    assert metrics["active_version"] == 2 and metrics["rejected_versions"][0]["version"] == 3
+    assert "sha256" in metrics["rejected_versions"][0]["error"]
+    after = client.completions.create(model=handle.model, prompt="x", **GREEDY)
+    assert after.system_fingerprint == "specray-drafter-v2"
+
+
+def test_a_killed_replica_is_replaced(served):
+    import ray
+
+    handle, client, _, _ = served
+    before = _get(f"{handle.url}/health")["replica"]
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith("SERVE_REPLICA::") and handle.app_name in a["name"] and before in a["name"]]
+    assert len(names) == 1
+    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+    after = _wait_for(lambda: (h := _get(f"{handle.url}/health"))["replica"] != before and h, 240, "a new replica")
+    assert after["status"] == "ok"
+    reply = client.completions.create(model=handle.model, prompt="Once upon a time", **GREEDY)
+    assert reply.usage.completion_tokens == 12
