@@ -16,10 +16,10 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	touch $(STAMP)
 
 quickstart: $(STAMP)
-	$(BIN)/specray capture -c manifests/capture-quickstart.yaml
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/specray pipeline run manifests/quickstart.yaml
 
 test: $(STAMP)
-	$(BIN)/pytest
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/pytest
 
 bench: $(STAMP)
 	$(BIN)/specray bench capture --json bench/capture.json

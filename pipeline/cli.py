@@ -6,6 +6,8 @@
     specray evaluate EXPORT_DIR --manifest runs/<held-out capture>/manifest.parquet
     specray generate --drafter EXPORT_DIR --prompt "…" [--max-tokens 128] [--temperature 0]
     specray regenerate --out data/self.jsonl --num 256   (self-distilled training conversations)
+    specray pipeline run manifests/quickstart.yaml [section.field=value …]   (capture → … → bench on Ray)
+    specray serve -c manifests/serve.yaml [section.field=value …]   (OpenAI API on Ray Serve, until Ctrl-C)
     specray inspect runs/capture-quickstart/manifest.parquet [--verify]
     specray bench capture --json bench/capture.json [-c CONFIG] [--repeats 3] [overrides …]
     specray bench train --json bench/train.json [-c CONFIG] [overrides …]
@@ -92,6 +94,48 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import time
+
+    from specray.actors.serve import start_serving
+    from specray.pipeline.config import ServeJobConfig
+
+    cfg = load_config(ServeJobConfig, args.config, args.overrides)
+    handle = start_serving(cfg)
+    print(f"serving    {handle.model} at {handle.base_url} ({'API key required' if handle.api_key else 'no API key'}); "
+          f"Ctrl-C stops", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("stopping", flush=True)
+    finally:
+        handle.stop()
+    return 0
+
+
+def _cmd_pipeline(args: argparse.Namespace) -> int:
+    import time
+
+    from specray.pipeline.config import PipelineConfig
+    from specray.pipeline.pipeline_job import run_pipeline
+
+    cfg = load_config(PipelineConfig, args.manifest, args.overrides)
+    report, handle = run_pipeline(cfg, progress=not args.quiet)
+    print(report.table(), flush=True)
+    if handle is None:
+        return 0
+    print(f"serving    {handle.model} at {handle.base_url}; Ctrl-C stops", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("stopping", flush=True)
+    finally:
+        handle.stop()
+    return 0
+
+
 def _cmd_regenerate(args: argparse.Namespace) -> int:
     import time
 
@@ -148,7 +192,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.benchmark == "serve":
         result = bench.bench_serve(target_name=args.target, drafter_dir=args.drafter, dataset=args.dataset,
                                    num_prompts=args.num_prompts, max_tokens=args.max_tokens,
-                                   batch_sizes=tuple(args.batch_sizes), png=args.png)
+                                   batch_sizes=tuple(args.batch_sizes), png=args.png, repeats=args.repeats,
+                                   vllm=not args.no_vllm)
         table = bench.serve_table(result)
     elif args.benchmark == "capture":
         cfg = load_config(CaptureJobConfig, args.config, bench.BENCH_CAPTURE_DEFAULTS + args.overrides)
@@ -209,6 +254,19 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--max-len", type=int, default=2048, help="KV capacity per request")
     generate.set_defaults(fn=_cmd_generate)
 
+    pipeline = sub.add_parser("pipeline", help="the whole pipeline on Ray: capture, train, export, serve, bench")
+    pipeline_sub = pipeline.add_subparsers(dest="action", required=True)
+    pipeline_run = pipeline_sub.add_parser("run", help="run a pipeline manifest; writes runs/<name>/report.json")
+    pipeline_run.add_argument("manifest", help="YAML pipeline manifest (e.g. manifests/quickstart.yaml)")
+    pipeline_run.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    pipeline_run.add_argument("overrides", nargs="*", metavar="section.field=value")
+    pipeline_run.set_defaults(fn=_cmd_pipeline)
+
+    serve_cmd = sub.add_parser("serve", help="OpenAI-compatible Ray Serve replicas that hot-load drafters")
+    serve_cmd.add_argument("-c", "--config", help="YAML serve manifest (e.g. manifests/serve.yaml)")
+    serve_cmd.add_argument("overrides", nargs="*", metavar="section.field=value")
+    serve_cmd.set_defaults(fn=_cmd_serve)
+
     regen = sub.add_parser("regenerate", help="answer training prompts with the target itself (self-distillation)")
     regen.add_argument("--out", required=True, help="JSONL to append to (capture reads it as jsonl:PATH)")
     regen.add_argument("--dataset", default="sharegpt")
@@ -246,6 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_argument("--max-tokens", type=int, default=128)
     bench_serve.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
     bench_serve.add_argument("--png", default=None, help="acceptance-by-position plot")
+    bench_serve.add_argument("--repeats", type=int, default=1, help="timed passes per system (median; order alternates)")
+    bench_serve.add_argument("--no-vllm", action="store_true", help="skip the vLLM runs even when vllm is importable")
     bench_serve.set_defaults(fn=_cmd_bench, config=None, overrides=[])
     bench_train = bench_sub.add_parser("train", help="training tokens/s and step time split")
     bench_train.add_argument("--json", help="write the result here")

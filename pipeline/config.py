@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from specray.capture.contract import CONTRACT_SPECS, STORAGE_DTYPES
 from specray.capture.data import DATASETS
@@ -150,6 +150,8 @@ def _format_error(model: type[BaseModel], err: dict) -> str:
     if err["type"] == "missing":
         return f"{loc}: required and missing. Fix: add it to the YAML or pass {loc}=VALUE"
     message = err["msg"].removeprefix("Value error, ")
+    if not err["loc"]:  # a check across fields: its message names them
+        return message
     return f"{loc}: {message} (got {err.get('input')!r})"
 
 
@@ -176,7 +178,10 @@ def load_config(model: type[BaseModel], path: str | Path | None = None, override
 
 
 class TrainDataConfig(Section):
-    manifest: str = Field(..., description="Parquet manifest written by specray capture (runs/<name>/manifest.parquet)")
+    manifest: str | None = Field(
+        ..., description="Parquet manifest written by specray capture (runs/<name>/manifest.parquet); "
+        "null = online: features stream from a SampleBroker (actors/trainer.py run_trainer_gang)",
+    )
     endpoint_url: str | None = Field(None, description="S3 endpoint when the manifest or its store is on s3://")
     max_length: int | None = Field(None, gt=0, description="cut samples to this many tokens (None = as captured)")
 
@@ -242,3 +247,225 @@ class TrainJobConfig(JobConfig):
     optim: OptimSection = OptimSection()
     trainer: TrainerSection = TrainerSection()
     output: TrainOutputSection = TrainOutputSection()
+
+
+# -- specray pipeline run ---------------------------------------------------------------------
+
+
+class RaySection(Section):
+    address: str | None = Field(
+        None, description="Ray cluster to join (e.g. ray://host:10001 or auto); None = the job's cluster under "
+                          "`ray job submit` (RAY_ADDRESS), else a new local cluster on 127.0.0.1",
+    )
+    num_cpus: int | None = Field(None, gt=0, description="logical CPUs of a new local cluster (None = the machine's cores)")
+
+
+class PipelineTrainSection(Section):
+    drafter: DrafterSection = DrafterSection()
+    objective: ObjectiveSection = ObjectiveSection()
+    optim: OptimSection = OptimSection()
+    num_workers: int = Field(1, gt=0, description="trainer gang size (Ray Train workers = DP ranks)")
+    cpus_per_worker: float = Field(1.0, gt=0, description="logical CPUs per worker (Ray sets its torch threads to match)")
+    max_failures: int = Field(1, ge=0, description="worker-group restarts from the last checkpoint before the run fails")
+    log_every: int = Field(10, gt=0)
+    checkpoint_every: int = Field(50, gt=0)
+    storage: str | None = Field(None, description="Ray Train checkpoint storage: a path or s3://… (None = <run_dir>/ray-train)")
+
+
+class OnlineSection(Section):
+    max_inflight_samples: int = Field(
+        64, gt=0, description="features stored but not yet deleted, at most (>= Q x train.checkpoint_every)",
+    )
+    max_inflight_bytes: int | None = Field(None, gt=0, description="the same bound in bytes (None = no byte bound)")
+    ledger: str | None = Field(
+        None, description="ack ledger location, outside the feature store (None = next to the checkpoints in train.storage)",
+    )
+
+
+class PipelineBenchSection(Section):
+    enabled: bool = Field(True, description="measure tau and speed of the exported drafter vs our AR")
+    dataset: Literal["mtbench", "humaneval"] = Field("mtbench", description="held-out prompts")
+    num_prompts: int = Field(8, gt=0)
+    max_tokens: int = Field(64, gt=0)
+    batch_sizes: list[int] = Field([1], min_length=1, description="batch sizes to measure (1 gives speedup_vs_ar)")
+
+
+# -- specray serve ----------------------------------------------------------------------------
+
+
+class ServeEngineSection(Section):
+    max_batch: int = Field(4, gt=0, description="requests decoded at once per replica (KV slots); more wait in its queue")
+    max_len: int = Field(2048, gt=0, description="KV capacity per request: prompt + max_tokens + one verify block")
+    drafter: str | None = Field(
+        None, description="an export dir to start with (None = autoregressive until the registry has a version)",
+    )
+    num_threads: int | None = Field(None, gt=0, description="torch intra-op threads per replica (None = torch's default)")
+
+
+class RegistrySection(Section):
+    uri: str | None = Field(
+        None, description="DrafterRegistry root: a path, file://… or s3://bucket/prefix (None = no hot-load)",
+    )
+    endpoint_url: str | None = Field(None, description="S3 endpoint for an s3:// registry (else $SPECRAY_S3_ENDPOINT)")
+    poll_interval_s: float = Field(10.0, gt=0, description="seconds between a replica's checks for a newer version")
+    cache_dir: str | None = Field(None, description="where replicas pull versions to (None = <run_dir>/drafter-cache)")
+
+    @field_validator("uri")
+    @classmethod
+    def _known_scheme(cls, value: str | None) -> str | None:
+        if value is not None and "://" in value and not value.startswith(("file://", "s3://")):
+            raise ValueError(f"registry URI {value!r}: use a path, file://PATH or s3://BUCKET/PREFIX")
+        return value
+
+
+class AutoscalingSection(Section):
+    min_replicas: int = Field(1, ge=1, description="replicas kept running even when idle")
+    max_replicas: int = Field(1, ge=1, validate_default=True, description="replicas at most under load")
+    target_ongoing_requests: float = Field(
+        2.0, gt=0, description="in-flight requests per replica the autoscaler aims for (add replicas above it)",
+    )
+    upscale_delay_s: float = Field(10.0, ge=0, description="load must stay high this long before a replica is added")
+    downscale_delay_s: float = Field(120.0, ge=0, description="load must stay low this long before a replica is removed")
+
+    @field_validator("max_replicas")
+    @classmethod
+    def _at_least_min(cls, value: int, info) -> int:
+        low = info.data.get("min_replicas")
+        if low is not None and value < low:
+            raise ValueError(f"max_replicas must be >= min_replicas ({low}); raise max_replicas or lower min_replicas")
+        return value
+
+
+class ReplicaSection(Section):
+    num_cpus: float = Field(1.0, gt=0, description="logical CPUs Ray reserves per replica")
+    max_ongoing_requests: int = Field(16, gt=0, description="requests Serve routes to one replica at once")
+
+
+class HttpSection(Section):
+    host: str = Field("127.0.0.1", description="address the HTTP proxy binds; anything but loopback needs an api_key")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port of the proxy")
+    api_key: str | None = Field(
+        None, description="require 'Authorization: Bearer KEY' (None = $SPECRAY_API_KEY if set, else no key)",
+    )
+
+
+class ServeOutputSection(Section):
+    run_dir: str | None = Field(None, description="pulled drafter versions go under it (None = runs/<name>)")
+
+
+class ServeJobConfig(JobConfig):
+    """``specray serve``: OpenAI-compatible Ray Serve replicas that hot-load drafters from a registry."""
+
+    name: str = Field("serve", description="Ray Serve application name; the default run dir is runs/<name>")
+    model_name: str | None = Field(None, description="the model id clients send (None = the target's name)")
+    target: TargetConfig = TargetConfig()
+    engine: ServeEngineSection = ServeEngineSection()
+    registry: RegistrySection = RegistrySection()
+    autoscaling: AutoscalingSection = AutoscalingSection()
+    replica: ReplicaSection = ReplicaSection()
+    http: HttpSection = HttpSection()
+    ray: RaySection = RaySection()
+    output: ServeOutputSection = ServeOutputSection()
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model_name or Path(self.target.name.removeprefix("embedded:")).name
+
+
+# -- specray pipeline run (the whole config) ---------------------------------------------------
+
+
+class PipelineCaptureSection(CaptureConfig):
+    num_actors: int = Field(1, gt=0, description="CaptureServer actors, each loading the target once")
+    num_cpus_per_actor: float = Field(1.0, gt=0, description="logical CPUs Ray reserves per capture actor")
+
+
+class PipelineServeSection(Section):
+    enabled: bool = Field(True, description="publish the export and serve it through Ray Serve (OpenAI API)")
+    keep_running: bool = Field(False, description="keep serving after the report until Ctrl-C (False = stop the app)")
+    registry: str | None = Field(None, description="drafter registry: a path or s3://… (None = <run_dir>/registry)")
+    smoke_requests: int = Field(4, ge=1, description="completions + chat requests sent through the openai client")
+    engine: ServeEngineSection = ServeEngineSection()
+    autoscaling: AutoscalingSection = AutoscalingSection()
+    replica: ReplicaSection = ReplicaSection()
+    http: HttpSection = HttpSection()
+
+
+class PipelineOutputSection(Section):
+    run_dir: str | None = Field(None, description="everything the run writes, report.json included (None = runs/<name>)")
+
+
+class PipelineConfig(JobConfig):
+    """``specray pipeline run``: capture → train → export → serve → bench on Ray, one report."""
+
+    name: str = Field("pipeline", description="run name; the default run dir is runs/<name>")
+    mode: Literal["offline", "online"] = Field(
+        "offline", description="offline: capture everything, then train on the manifest; online: capture actors "
+                               "and the trainer gang run at once, consume-once, bounded store",
+    )
+    ray: RaySection = RaySection()
+    target: TargetConfig = TargetConfig()
+    data: DataConfig = DataConfig()
+    capture: PipelineCaptureSection = PipelineCaptureSection()
+    store: StoreConfig = StoreConfig()
+    train: PipelineTrainSection = PipelineTrainSection()
+    online: OnlineSection = OnlineSection()
+    serve: PipelineServeSection = PipelineServeSection()
+    bench: PipelineBenchSection = PipelineBenchSection()
+    output: PipelineOutputSection = PipelineOutputSection()
+
+    @model_validator(mode="after")
+    def _online_bound_holds_a_window(self) -> "PipelineConfig":
+        o, t = self.online, self.train
+        window = t.num_workers * t.optim.micro_batch_size * t.optim.accumulation_steps
+        need = window * t.checkpoint_every  # features are deleted only once a checkpoint covers them
+        if self.mode == "online" and o.max_inflight_samples < need:
+            raise ValueError(
+                f"online.max_inflight_samples={o.max_inflight_samples} cannot hold one checkpoint interval: "
+                f"Q = train.num_workers x train.optim.micro_batch_size x train.optim.accumulation_steps = {window} "
+                f"samples per step x train.checkpoint_every={t.checkpoint_every} = {need} (features are deleted only "
+                f"after a checkpoint covers them); raise online.max_inflight_samples to >= {need} or lower "
+                f"train.checkpoint_every"
+            )
+        if self.mode == "online" and self.capture.max_batch_size > o.max_inflight_samples:
+            raise ValueError(
+                f"capture.max_batch_size={self.capture.max_batch_size} exceeds online.max_inflight_samples="
+                f"{o.max_inflight_samples}: a capture batch reserves room for all its samples before it runs; "
+                f"lower capture.max_batch_size"
+            )
+        return self
+
+    @property
+    def store_uri(self) -> str:
+        return self.store.uri or (self.run_dir / "features").resolve().as_uri()
+
+    def capture_job(self) -> CaptureJobConfig:
+        capture = self.capture.model_dump(exclude={"num_actors", "num_cpus_per_actor"})
+        return CaptureJobConfig(
+            name=f"{self.name}-capture", target=self.target, data=self.data, capture=CaptureConfig(**capture),
+            store=StoreConfig(uri=self.store_uri, endpoint_url=self.store.endpoint_url),
+            output=OutputConfig(run_dir=str(self.run_dir / "capture"), overwrite=True),
+        )
+
+    def train_job(self, manifest: str | None) -> TrainJobConfig:
+        t = self.train
+        return TrainJobConfig(
+            name=f"{self.name}-train", target=self.target,
+            data=TrainDataConfig(manifest=manifest, endpoint_url=self.store.endpoint_url),
+            drafter=t.drafter, objective=t.objective, optim=t.optim,
+            trainer=TrainerSection(world_size=t.num_workers, log_every=t.log_every, checkpoint_every=t.checkpoint_every),
+            output=TrainOutputSection(run_dir=str(self.run_dir / "train")),
+        )
+
+    def serve_job(self) -> ServeJobConfig:
+        s = self.serve
+        return ServeJobConfig(
+            name=self.name, target=self.target, engine=s.engine,
+            registry=RegistrySection(uri=self.registry_uri, endpoint_url=self.store.endpoint_url, poll_interval_s=1.0),
+            autoscaling=s.autoscaling, replica=s.replica, http=s.http, ray=self.ray,
+            output=ServeOutputSection(run_dir=str(self.run_dir / "serve")),
+        )
+
+    @property
+    def registry_uri(self) -> str:
+        return self.serve.registry or str((self.run_dir / "registry").resolve())

@@ -1,0 +1,351 @@
+"""``specray pipeline run``: capture → train → export → serve → bench on Ray, ending in a report.
+
+    specray pipeline run manifests/quickstart.yaml [section.field=value …]
+    ray job submit --working-dir . -- specray pipeline run manifests/quickstart.yaml
+
+Stages (each timed into ``report.json``'s ``stage_seconds``):
+
+    capture        offline: CaptureServer actors write features + a Parquet manifest
+    train          offline: the trainer gang (Ray Train) trains on the manifest
+    capture+train  online, one stage: capture actors and the gang run at once; SampleRefs flow
+                   through the SampleBroker in whole windows, acks go to the durable ledger,
+                   consumed features are deleted after the checkpoint that covers them, the
+                   store never holds more than ``online.max_inflight_samples`` features, and a
+                   ledger audit (each sample trained exactly once, none left) ends the stage
+    export    the gang's final checkpoint → a drafter directory (drafters/format.py)
+    serve     the export is published to the drafter registry; Ray Serve replicas load it and
+              answer smoke requests through the OpenAI API
+    bench     the exported drafter vs our AR on held-out prompts: tau, tokens/s, speedup
+
+Everything lands in the run dir (default ``runs/<name>/``); ``report.json`` holds ``tau``,
+``speedup_vs_ar``, ``stage_seconds`` and ``drafter_dir`` among the rest. A pipeline owns its
+run dir: a rerun of the same name replaces it (a directory it did not make is refused).
+
+Resuming: a crashed trainer worker is restarted by Ray Train from the last checkpoint
+(``train.max_failures``) within the run, and the ledger makes that exactly-once. A crashed
+*driver* is not resumed by a rerun (which starts the run dir afresh); ``run_trainer_gang``
+with the same storage path and name resumes the gang itself (actors/trainer.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from specray.pipeline.config import PipelineConfig
+
+
+@dataclass
+class PipelineReport:
+    name: str
+    mode: str
+    run_dir: str
+    drafter_dir: str | None = None
+    tau: float | None = None
+    speedup_vs_ar: float | None = None
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    capture: dict | None = None
+    train: dict | None = None
+    online: dict | None = None  # ledger audit and peak in-flight features (online mode)
+    serve: dict | None = None
+    bench: dict | None = None
+
+    def table(self) -> str:
+        def fmt(value, spec: str) -> str:
+            return "n/a" if value is None else format(value, spec)
+
+        lines = [
+            f"pipeline    {self.name} ({self.mode}), run dir {self.run_dir}",
+            f"tau         {fmt(self.tau, '.3f')} (mean tokens per speculative round, greedy, held-out prompts)",
+            f"speedup     {fmt(self.speedup_vs_ar, '.2f')} (tokens/s vs our autoregressive engine)",
+            f"drafter     {self.drafter_dir}",
+        ]
+        if self.serve:
+            lines.append(f"serve       {self.serve['url']} (drafter v{self.serve['version']}, "
+                         f"{self.serve['smoke_requests']} smoke requests ok)")
+        if self.online:
+            audit = self.online["audit"]
+            lines.append(f"ledger      {audit['trained']} samples trained exactly once: {audit['ok']}; "
+                         f"peak in-flight {self.online['peak_inflight_samples']} <= {self.online['bound']}")
+        stages = "  ".join(f"{k} {v:.0f}s" for k, v in self.stage_seconds.items())
+        lines += [f"stages      {stages}", f"report      {Path(self.run_dir) / 'report.json'}"]
+        return "\n".join(lines)
+
+
+def connect_ray(cfg: PipelineConfig) -> None:
+    """Join the configured cluster, the job's cluster (``ray job submit``), or start one on loopback."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    env = {"env_vars": {k: os.environ[k] for k in ("SPECRAY_CACHE", "SPECRAY_S3_ENDPOINT", "TRITON_INTERPRET",
+                                                   "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                                   "AWS_DEFAULT_REGION") if k in os.environ}}
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, runtime_env=env, log_to_driver=False)
+    else:
+        ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 runtime_env=env, log_to_driver=False)
+
+
+@contextmanager
+def _stage(report: PipelineReport, name: str, progress: bool):
+    if progress:
+        print(f"== {name}", flush=True)
+    start = time.perf_counter()
+    yield
+    report.stage_seconds[name] = round(time.perf_counter() - start, 2)
+
+
+def run_pipeline(cfg: PipelineConfig, *, progress: bool = True) -> tuple[PipelineReport, object | None]:
+    """Run every stage; returns the report and, with ``serve.keep_running``, the live ServeHandle."""
+    from specray.trainer.export import export_checkpoint
+
+    run_dir = _fresh_run_dir(cfg.run_dir)
+    report = PipelineReport(cfg.name, cfg.mode, str(run_dir.resolve()))
+    connect_ray(cfg)
+    if cfg.mode == "offline":
+        with _stage(report, "capture", progress):
+            manifest = _capture(cfg, report, progress)
+        with _stage(report, "train", progress):
+            checkpoint = _train_offline(cfg, manifest, report, progress)
+    else:
+        with _stage(report, "capture+train", progress):  # they overlap: that is the point
+            checkpoint = _train_online(cfg, report, progress)
+    with _stage(report, "export", progress):
+        report.drafter_dir = str(export_checkpoint(checkpoint, run_dir / "exports" / "final").resolve())
+    handle = None
+    if cfg.serve.enabled:
+        with _stage(report, "serve", progress):
+            report.serve, handle = _serve(cfg, report.drafter_dir)
+    try:
+        if cfg.bench.enabled:
+            with _stage(report, "bench", progress):
+                _bench(cfg, report)
+    finally:
+        if handle is not None and not cfg.serve.keep_running:
+            handle.stop()
+            handle = None
+    (run_dir / "report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
+    return report, handle
+
+
+MARKER = ".specray-pipeline"
+
+
+def _fresh_run_dir(run_dir: Path) -> Path:
+    """A pipeline owns its run dir: a rerun replaces it. Only a dir a pipeline made is ever deleted."""
+    if run_dir.exists() and any(run_dir.iterdir()):
+        if not (run_dir / MARKER).exists():
+            raise FileExistsError(f"{run_dir} exists and was not made by specray pipeline; set output.run_dir "
+                                  f"to a new or empty directory (a pipeline rerun replaces its own run dir)")
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / MARKER).write_text("this directory is replaced by the next `specray pipeline run` of the same name\n")
+    return run_dir
+
+
+def _capture(cfg: PipelineConfig, report: PipelineReport, progress: bool) -> str:
+    from specray.pipeline.capture_job import run_capture_on_ray
+
+    summary = run_capture_on_ray(cfg.capture_job(), num_actors=cfg.capture.num_actors,
+                                 num_cpus_per_actor=cfg.capture.num_cpus_per_actor, progress=progress)
+    report.capture = {"samples": summary.samples, "tokens": summary.tokens, "tokens_per_s": round(summary.tokens_per_s, 1),
+                      "bytes_per_token": round(summary.bytes_per_token, 1), "manifest": summary.manifest,
+                      "store": summary.store_uri, "actors": cfg.capture.num_actors}
+    return summary.manifest
+
+
+def _train_offline(cfg: PipelineConfig, manifest: str, report: PipelineReport, progress: bool) -> str:
+    from specray.actors.trainer import run_trainer_gang
+
+    result = run_trainer_gang(cfg.train_job(manifest), num_workers=cfg.train.num_workers,
+                              storage_path=cfg.train.storage or str(cfg.run_dir / "ray-train"),
+                              max_failures=cfg.train.max_failures, cpus_per_worker=cfg.train.cpus_per_worker)
+    report.train = _train_summary(cfg, result)
+    return result.checkpoint
+
+
+def _train_summary(cfg: PipelineConfig, result) -> dict:
+    final = result.metrics[-1] if result.metrics else {}
+    return {"steps": result.step, "workers": cfg.train.num_workers, "checkpoint": result.checkpoint,
+            "ledger": result.ledger_uri, "attempts": len(result.attempts), "loss": final.get("loss"),
+            "acc_by_pos": final.get("acc_by_pos"), "tau_tf": final.get("tau_tf")}
+
+
+def _bench(cfg: PipelineConfig, report: PipelineReport) -> None:
+    from specray.pipeline.bench import bench_serve, write_json
+
+    b = cfg.bench
+    result = bench_serve(target_name=cfg.target.name, drafter_dir=report.drafter_dir, dataset=b.dataset,
+                         num_prompts=b.num_prompts, max_tokens=b.max_tokens, batch_sizes=tuple(b.batch_sizes),
+                         png=str(cfg.run_dir / "acceptance.png"))
+    write_json(result, str(cfg.run_dir / "bench.json"))
+    report.tau, report.speedup_vs_ar = result.get("tau"), result.get("speedup_vs_ar")
+    report.bench = {"json": str((cfg.run_dir / "bench.json").resolve()), "greedy_match": result.get("greedy_match"),
+                    "tokens_per_s": {f"{r['system']}@{r['batch_size']}": round(r["tokens_per_s"], 2) for r in result["runs"]},
+                    "accept_rate_by_pos": result.get("accept_rate_by_pos")}
+
+
+def _train_online(cfg: PipelineConfig, report: PipelineReport, progress: bool) -> str:
+    """Capture actors and the trainer gang at once; the broker bounds what the store holds."""
+    import ray
+
+    from specray.actors.broker import start_sample_broker
+    from specray.actors.capture import CapturePool
+    from specray.actors.trainer import run_trainer_gang
+    from specray.capture.store import open_store
+    from specray.pipeline.capture_job import plan_capture
+    from specray.trainer.ledger import Ledger, audit
+
+    job = cfg.capture_job()
+    plan = plan_capture(job)
+    t, o = cfg.train, cfg.online
+    window = t.num_workers * t.optim.micro_batch_size * t.optim.accumulation_steps
+    steps = -(-len(plan.samples) // window)  # one pass: the stream is consume-once
+    train_job = cfg.train_job(None).model_copy(update={"optim": t.optim.model_copy(update={"total_steps": steps})})
+    broker = start_sample_broker(window, max_inflight=o.max_inflight_samples, max_inflight_bytes=o.max_inflight_bytes,
+                                 contract=plan.contract, store_uri=cfg.store_uri, endpoint_url=cfg.store.endpoint_url)
+    pool = CapturePool(cfg.target.name, plan.contract, cfg.store_uri, endpoint_url=cfg.store.endpoint_url,
+                       num_actors=cfg.capture.num_actors, num_cpus_per_actor=cfg.capture.num_cpus_per_actor,
+                       target_dtype=cfg.target.dtype)
+    producer = _Producer(pool, broker, plan, progress)
+    try:
+        producer.start()
+        result = run_trainer_gang(train_job, num_workers=t.num_workers,
+                                  storage_path=t.storage or str(cfg.run_dir / "ray-train"),
+                                  ledger_uri=o.ledger, broker=broker,
+                                  max_failures=t.max_failures, cpus_per_worker=t.cpus_per_worker)
+        producer.check()
+        stats = ray.get(broker.stats.remote(), timeout=60)
+        checked = audit(Ledger(result.ledger_uri), source_ids=[s.sample_id for s in plan.samples],
+                        store=open_store(cfg.store_uri, endpoint_url=cfg.store.endpoint_url))
+    finally:
+        producer.stop.set()
+        pool.close()
+        ray.kill(broker)
+    report.train = _train_summary(cfg, result)
+    report.online = {
+        "audit": {"ok": checked.ok, "trained": checked.trained, "duplicates": len(checked.duplicates),
+                  "missing": len(checked.missing), "leftover_features": len(checked.leftover_keys)},
+        "peak_inflight_samples": stats["peak_inflight"], "bound": o.max_inflight_samples,
+        "capture": producer.stats, "ledger": result.ledger_uri,
+    }
+    if not checked.ok:
+        raise RuntimeError(f"the online run's ledger audit failed: {checked.summary()}")
+    return result.checkpoint
+
+
+class _Producer(threading.Thread):
+    """Feeds the capture pool's batches into the broker: reserve room, capture, offer the refs."""
+
+    def __init__(self, pool, broker, plan, progress: bool):
+        super().__init__(name="specray-producer", daemon=True)
+        self.pool, self.broker, self.plan, self.progress = pool, broker, plan, progress
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.stats: dict | None = None
+        self.reserved: dict[str, int] = {}
+
+    def _estimate(self, samples) -> int:  # bytes a batch will occupy in the store (contract minimum + headers)
+        return sum(self.plan.contract.min_bytes_per_token * s.num_tokens + 4096 for s in samples)
+
+    def _admit(self, batch) -> None:
+        import ray
+
+        batch_id, samples = batch
+        estimate = self._estimate(samples)
+        while not ray.get(self.broker.reserve.remote(len(samples), num_bytes=estimate, timeout=2), timeout=60):
+            if self.stop.is_set():
+                raise RuntimeError("the pipeline stopped while the producer waited for room in the broker")
+        self.reserved[batch_id] = estimate
+
+    def _offer(self, batch_id: str, refs) -> None:
+        import ray
+
+        ray.get(self.broker.offer.remote(refs, reserved_bytes=self.reserved.pop(batch_id)), timeout=60)
+
+    def run(self) -> None:
+        import ray
+
+        try:
+            batches = ((f"batch-{i:06d}", batch) for i, batch in enumerate(self.plan.batches))
+            stats = self.pool.run(batches, self._offer, admit=self._admit, progress=self.progress)
+            self.stats = {"batches": stats.batches, "samples": stats.samples, "tokens": stats.tokens,
+                          "restarts": stats.restarts, "redispatched": stats.redispatched}
+            ray.get(self.broker.close.remote(), timeout=60)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the driver by check()
+            self.error = e
+            # End the stream so the gang finishes what it has instead of waiting forever;
+            # check() then fails the run with this error.
+            ray.get(self.broker.close.remote(), timeout=60)
+
+    def check(self) -> None:
+        self.join(timeout=120)
+        if self.is_alive():
+            raise RuntimeError("the capture producer is still running after the trainer finished")
+        if self.error is not None:
+            raise RuntimeError(f"online capture failed: {self.error}") from self.error
+
+
+def _serve(cfg: PipelineConfig, drafter_dir: str):
+    """Publish the export, start the replicas, wait until they serve it, send smoke requests.
+
+    Returns (summary, handle); the caller stops the handle unless ``serve.keep_running``."""
+    import openai
+
+    from specray.actors.serve import start_serving
+    from specray.serving.registry import DrafterRegistry
+
+    version = DrafterRegistry(cfg.registry_uri, endpoint_url=cfg.store.endpoint_url).publish(drafter_dir)
+    handle = start_serving(cfg.serve_job())
+    try:
+        _wait_for_version(handle, version, timeout_s=300)
+        client = openai.OpenAI(base_url=handle.base_url, api_key=handle.api_key or "unused", timeout=300)
+        served = []
+        for i in range(cfg.serve.smoke_requests):
+            question = f"In one sentence, what is {['a CPU', 'a GPU', 'Ray', 'speculative decoding'][i % 4]}?"
+            if i % 2 == 0:
+                response = client.chat.completions.create(model=handle.model, max_tokens=16,
+                                                          messages=[{"role": "user", "content": question}])
+                text = response.choices[0].message.content
+            else:
+                response = client.completions.create(model=handle.model, prompt=question, max_tokens=16)
+                text = response.choices[0].text
+            served.append({"fingerprint": response.system_fingerprint, "tokens": response.usage.completion_tokens,
+                           "text": text})
+    except BaseException:
+        handle.stop()
+        raise
+    wrong = [s for s in served if s["fingerprint"] != f"specray-drafter-v{version}"]
+    if wrong:
+        handle.stop()
+        raise RuntimeError(f"replicas answered with {wrong[0]['fingerprint']}, not the published drafter v{version}")
+    summary = {"url": handle.base_url, "model": handle.model, "registry": cfg.registry_uri, "version": version,
+               "smoke_requests": len(served), "sample": served[0]["text"]}
+    return summary, handle
+
+
+def _wait_for_version(handle, version: int, timeout_s: float) -> None:
+    import urllib.request
+
+    request = urllib.request.Request(f"{handle.url}/health")
+    if handle.api_key:
+        request.add_header("Authorization", f"Bearer {handle.api_key}")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            if json.loads(response.read()).get("drafter_version") == version:
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the replicas did not load drafter v{version} within {timeout_s:.0f} s; "
+                               f"see {handle.url}/metrics for rejected versions")
+        time.sleep(1)
