@@ -17,7 +17,7 @@ from specray.serving.engine import Engine
 from specray.serving.sampling import SamplingParams
 from specray.trainer.export import export_checkpoint
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # ~3 min on an idle 2-core machine
 
 MAX_TOKENS = 32
 
