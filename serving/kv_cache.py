@@ -49,10 +49,10 @@ class SlotKVCache:
         T = k.shape[2]
         if int((start + T).max()) > self.max_len:
             raise ValueError(f"request exceeds the KV capacity of {self.max_len} positions")
-        for b, slot in enumerate(slots.tolist()):
-            s = int(start[b])
-            self.k[layer, slot, :, s : s + T] = k[b]
-            self.v[layer, slot, :, s : s + T] = v[b]
+        # one indexed write for the whole batch: [B, 1, 1] slot × [1, Hkv, 1] head × [B, 1, T] position
+        index = (slots[:, None, None], torch.arange(k.shape[1])[None, :, None], (start[:, None] + torch.arange(T))[:, None])
+        self.k[layer].index_put_(index, k)
+        self.v[layer].index_put_(index, v)
 
     @staticmethod
     def index(slots: torch.Tensor) -> slice | torch.Tensor:

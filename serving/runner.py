@@ -1,15 +1,37 @@
 """Target runner: our own Llama-family forward over a ``SlotKVCache``.
 
-Why not ``model(...)`` with transformers' cache: at batch 1 on CPU, ``generate`` spends a large
-share of each step in framework overhead (cache objects, mask builders, generation config
-checks). This runner keeps the weights fused (``[q; k; v]`` and ``[gate; up]`` in one matmul
-each), precomputes RoPE tables, and writes K/V straight into preallocated slots.
+Why not ``model(...)`` with transformers' cache: at batch 1 on CPU a decode step is a chain of
+small matrix products over 531 MB of fp32 weights plus a few hundred small ops, and
+``generate`` spends a large share of each step in framework overhead (cache objects, mask
+builders, generation config checks). This runner is built for that regime (numbers in
+``docs/benchmarks.md``):
+
+- every projection is ``(W @ x.T).T`` on the ``[out, in]`` weights (``[q; k; v]`` and
+  ``[gate; up]`` fused into one matrix each). With two or more rows MKL runs this as a gemm that
+  streams the weights at about 28 GB/s on this VM, where ``F.linear``'s ``x @ W.T`` manages
+  about half that at small M, and any one-row product (a mat-vec) about 12-16 GB/s;
+- so a lone row (batch-1 decode) runs as two identical rows: the full-model product chain
+  then takes ~27 ms on one thread (~19 ms on two) instead of ~45 ms as mat-vecs. Only the first
+  row is written to the cache and returned;
+- a lone row runs on one intra-op thread. On two, each of its ~150 parallel regions needs the
+  second thread scheduled: on an idle machine that costs little, but when other processes
+  share the cores each region can wait a scheduler time slice, and a 30 ms step took 1.7 s
+  (measured here with a load average of 5). Batched forwards (several rows) keep all threads;
+- the residual add turns each ``[out, M]`` product back into row-major activations; RoPE rotates
+  q and k in one ``addcmul`` with a sign-folded sine table (``rotate_half(x) * sin ==
+  flip_halves(x) * [-sin, sin]``); grouped-query attention is two batched matmuls per layer over
+  views of the cache (the ``g = H / Hkv`` query heads of one KV head share it, no repeat), scale
+  and mask folded into ``baddbmm``;
+- everything that depends only on the forward's shape (positions, RoPE rows, the attention
+  bias, the KV write views or index, the cache read views) is computed once per forward, not
+  per layer.
 
 ``forward(input_ids [B, T], slots [B], num_new [B])`` runs ``T`` new rows per request at
 positions ``committed[slot] + t`` (``num_new[b] <= T`` real rows, the rest padding), writes their
 K/V as scratch (``serving/kv_cache.py``; nothing is committed here), and returns logits for all
 rows and the decoder-layer outputs of ``capture_layer_ids`` (the drafter's context features,
-same capture point as ``capture/contract.py``).
+same capture point as ``capture/contract.py``). All in the target's dtype (fp32 by default),
+equal to transformers up to float rounding (``tests/serving/test_runner.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +42,10 @@ import torch
 import torch.nn.functional as F
 
 from specray.serving.kv_cache import SlotKVCache, attention_mask
+
+# Captured at import: an in-process vLLM engine (``specray bench serve``) replaces
+# ``torch.set_num_threads`` with a no-op for the whole process when it starts.
+_set_num_threads = torch.set_num_threads
 
 
 @dataclass
@@ -37,13 +63,42 @@ def pad_rows(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, lengths
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+def _project(weight: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None = None, *,
+             row_major: bool = True) -> torch.Tensor:
+    """``x @ weight.T (+ residual)``: x [M, in] row-major, weight [out, in] -> [M, out].
+
+    Computed as ``(weight @ x.T).T``: for M >= 2 MKL's gemm then streams the weights at several
+    times the speed of the ``x @ W.T`` kernel ``F.linear`` uses at small M (module docstring).
+    The product is [out, M]; the residual add writes it back row-major (the next projection's
+    input layout), or ``row_major=False`` leaves the transposed view for ops that copy anyway.
+    """
+    out = torch.mm(weight, x.t()).t()  # [M, out], a transposed view of the [out, M] product
+    if residual is not None:
+        return residual + out
+    return out.contiguous() if row_major else out
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+@dataclass
+class _Plan:
+    """Per-forward constants shared by every layer.
+
+    ``B`` requests × ``T`` query rows each, computed as ``R = B*T`` rows of which the first
+    ``rows`` are real: a lone row (``B = T = 1``) runs twice (``T = 2``, both at its position,
+    only the first written to the cache), since the 2-row gemm is far faster than the mat-vec.
+    """
+
+    B: int
+    T: int
+    rows: int  # real rows (B * T, or 1 for a lone row)
+    cos: torch.Tensor  # [R, 1, hd] RoPE cosines of each row's position
+    sin: torch.Tensor  # [R, 1, hd] sign-folded sines ([-sin, sin] halves)
+    bias: torch.Tensor | None  # [B*Hkv, g*T, length] 0 / -inf; None when every row sees every key
+    write_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # slot [rows,1], head [1,Hkv], pos [rows,1]
+    write_views: tuple[list[torch.Tensor], list[torch.Tensor]] | None  # one request: per layer [Hkv, rows, hd] K, V
+    keys: list[torch.Tensor] | None  # per layer [B*Hkv, length, hd] cache views (consecutive slots), else None
+    values: list[torch.Tensor] | None
+    read_index: slice | torch.Tensor  # SlotKVCache.index(slots), for per-layer reads when not views
+    length: int  # keys attended: [0, length)
 
 
 class LlamaRunner:
@@ -55,7 +110,7 @@ class LlamaRunner:
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
-        self.capture_layer_ids = tuple(capture_layer_ids)
+        self.capture_layer_ids = tuple(capture_layer_ids)  # read by every forward (the engine may swap it between steps)
         if any(not 0 <= i < cfg.num_hidden_layers for i in self.capture_layer_ids):
             raise ValueError(f"capture_layer_ids {self.capture_layer_ids} outside 0..{cfg.num_hidden_layers - 1}")
         dtype = model.lm_head.weight.dtype
@@ -77,39 +132,107 @@ class LlamaRunner:
         inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
         angles = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq  # [max_len, hd/2]
         self.cos = torch.cat([angles.cos(), angles.cos()], dim=-1).to(dtype)  # [max_len, hd]
-        self.sin = torch.cat([angles.sin(), angles.sin()], dim=-1).to(dtype)
+        self.sin = torch.cat([-angles.sin(), angles.sin()], dim=-1).to(dtype)  # sign-folded, see _rope
         self.cache = SlotKVCache(num_layers=len(self.layers), num_slots=num_slots, max_len=max_len,
                                  num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=dtype)
 
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, slots: torch.Tensor, num_new: torch.Tensor) -> RunnerOutput:
-        B, T = input_ids.shape
-        H, Hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+    def _plan(self, slots: torch.Tensor, num_new: torch.Tensor, T: int) -> _Plan:
+        B, Hkv, hd = len(slots), self.num_kv_heads, self.head_dim
         start = self.cache.committed[slots]  # [B]
-        positions = start[:, None] + torch.arange(T)  # [B, T]
+        positions = (start[:, None] + torch.arange(T)).view(-1)  # [B*T]
         length = int((start + T).max())
         if length > self.cache.max_len:
             raise ValueError(f"context of {length} tokens exceeds the engine's max_len {self.cache.max_len}")
-        # A single new row sees every committed row: no mask needed (the common decode case).
-        mask = None if (B == 1 and T == 1) else attention_mask(start, num_new, T, length)[:, None]  # [B, 1, T, length]
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, T, hd]
-        x = F.embedding(input_ids, self.embed)  # [B, T, D]
+        write_index = write_views = None
+        if B == 1:  # one request: its new rows are one strip of the cache, written through views
+            slot, first = int(slots[0]), int(start[0])
+            write_views = (list(self.cache.k[:, slot, :, first : first + T].unbind(0)),
+                           list(self.cache.v[:, slot, :, first : first + T].unbind(0)))
+        else:
+            write_index = (slots.repeat_interleave(T)[:, None], torch.arange(Hkv)[None, :], positions[:, None])
+        rows, bias = B * T, None
+        if rows == 1:  # a lone row sees every committed key and itself: no mask; run it twice
+            positions, T = positions.expand(2), 2
+        else:
+            bias = self._attention_bias(start, num_new, T, length)
         index = self.cache.index(slots)
+        keys = values = None
+        if isinstance(index, slice):  # views: they see this forward's writes
+            L = len(self.layers)
+            keys = list(self.cache.k[:, index, :, :length].view(L, B * Hkv, length, hd).unbind(0))
+            values = list(self.cache.v[:, index, :, :length].view(L, B * Hkv, length, hd).unbind(0))
+        return _Plan(B, T, rows, self.cos[positions][:, None], self.sin[positions][:, None], bias, write_index,
+                     write_views, keys, values, index, length)
+
+    def _attention_bias(self, start: torch.Tensor, num_new: torch.Tensor, T: int, length: int) -> torch.Tensor:
+        """The [B, T, length] mask as an additive bias [B*Hkv, g*T, length], repeated for the g query
+        heads of each KV head (query rows are head-major per request: [h0 t0, h0 t1, …, h1 t0, …])."""
+        B, Hkv = len(start), self.num_kv_heads
+        g = self.num_heads // Hkv
+        mask = attention_mask(start, num_new, T, length)  # [B, T, length]
+        bias = torch.zeros(mask.shape, dtype=self.cos.dtype).masked_fill_(~mask, float("-inf"))
+        return bias[:, None, None].expand(B, Hkv, g, T, length).reshape(B * Hkv, g * T, length)
+
+    def _attention(self, i: int, qkv: torch.Tensor, plan: _Plan) -> torch.Tensor:
+        """qkv [R, (H+2Hkv)hd] of layer ``i`` -> attention output [R, H*hd]; writes the real rows' K/V."""
+        B, T, H, Hkv, hd = plan.B, plan.T, self.num_heads, self.num_kv_heads, self.head_dim
+        g = H // Hkv
+        qk = _rope(qkv[:, : (H + Hkv) * hd].view(B * T, H + Hkv, hd), plan.cos, plan.sin)  # [R, H+Hkv, hd]
+        v = qkv[:, (H + Hkv) * hd :].view(B * T, Hkv, hd)
+        if plan.write_views is not None:
+            plan.write_views[0][i].copy_(qk[: plan.rows, H:].transpose(0, 1))
+            plan.write_views[1][i].copy_(v[: plan.rows].transpose(0, 1))
+        else:
+            self.cache.k[i].index_put_(plan.write_index, qk[: plan.rows, H:])
+            self.cache.v[i].index_put_(plan.write_index, v[: plan.rows])
+        if plan.keys is not None:
+            keys, values = plan.keys[i], plan.values[i]  # [B*Hkv, length, hd]
+        else:
+            keys, values = (t.reshape(B * Hkv, plan.length, hd) for t in self.cache.read(i, plan.read_index, plan.length))
+        # q [R, H, hd] -> [B*Hkv, g*T, hd]: head h = kv * g + j reads KV head kv (transformers' repeat_kv order)
+        q = qk[:, :H].reshape(B, T, Hkv, g, hd).permute(0, 2, 3, 1, 4).reshape(B * Hkv, g * T, hd)
+        if plan.bias is None:
+            scores = torch.bmm(q, keys.transpose(1, 2)).mul_(hd**-0.5)
+        else:
+            scores = torch.baddbmm(plan.bias, q, keys.transpose(1, 2), alpha=hd**-0.5)
+        out = torch.bmm(scores.softmax(-1), values)  # [B*Hkv, g*T, hd]
+        return out.view(B, Hkv, g, T, hd).permute(0, 3, 1, 2, 4).reshape(B * T, H * hd)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, slots: torch.Tensor, num_new: torch.Tensor) -> RunnerOutput:
+        if input_ids.numel() > 1:
+            return self._forward(input_ids, slots, num_new)
+        threads = torch.get_num_threads()
+        _set_num_threads(1)  # a lone row: see the module docstring
+        try:
+            return self._forward(input_ids, slots, num_new)
+        finally:
+            _set_num_threads(threads)
+
+    def _forward(self, input_ids: torch.Tensor, slots: torch.Tensor, num_new: torch.Tensor) -> RunnerOutput:
+        B, T = input_ids.shape
+        plan = self._plan(slots, num_new, T)
+        x = F.embedding(input_ids.view(-1).expand(plan.B * plan.T), self.embed)  # [R, D]
+        D = x.shape[-1]
         hidden: dict[int, torch.Tensor] = {}
+        capture = self.capture_layer_ids
         for i, w in enumerate(self.layers):
-            h = _rms_norm(x, w["in_norm"], self.eps)
-            q, k, v = F.linear(h, w["qkv"]).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
-            q = _rotate(q.view(B, T, H, hd).transpose(1, 2), cos, sin)  # [B, H, T, hd]
-            k = _rotate(k.view(B, T, Hkv, hd).transpose(1, 2), cos, sin)  # [B, Hkv, T, hd]
-            v = v.view(B, T, Hkv, hd).transpose(1, 2)
-            self.cache.write(i, slots, start, k, v)
-            keys, values = self.cache.read(i, index, length)  # [B, Hkv, length, hd]
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-            x = x + F.linear(attn.transpose(1, 2).reshape(B, T, H * hd), w["o"])
-            h = _rms_norm(x, w["post_norm"], self.eps)
-            gate, up = F.linear(h, w["gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, w["down"])
-            if i in self.capture_layer_ids:
-                hidden[i] = x
-        logits = F.linear(_rms_norm(x, self.final_norm, self.eps), self.lm_head)
-        return RunnerOutput(logits.float(), hidden)
+            h = F.rms_norm(x, (D,), w["in_norm"], self.eps)
+            x = _project(w["o"], self._attention(i, _project(w["qkv"], h, row_major=False), plan), residual=x)
+            gate, up = _project(w["gate_up"], F.rms_norm(x, (D,), w["post_norm"], self.eps)).chunk(2, dim=-1)
+            x = _project(w["down"], F.silu(gate).mul_(up), residual=x)
+            if i in capture:
+                hidden[i] = x[: plan.rows].view(B, T, D)
+        logits = _project(self.lm_head, F.rms_norm(x, (D,), self.final_norm, self.eps))  # [R, V]
+        return RunnerOutput(logits[: plan.rows].float().view(B, T, -1), hidden)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [N, heads, hd] with cos/sin [N, 1, hd] (``sin`` sign-folded).
+
+    transformers: ``x * cos + rotate_half(x) * sin`` with ``rotate_half([x1, x2]) = [-x2, x1]``;
+    here ``flip([x1, x2]) * [-s, s] = [-x2 * s, x1 * s]``, the same products exactly.
+    """
+    N, heads, hd = x.shape
+    flipped = x.reshape(N, heads, 2, hd // 2).flip(2).reshape(N, heads, hd)
+    return torch.addcmul(x * cos, flipped, sin)

