@@ -31,6 +31,16 @@ Usage (producer side)::
         ray.get(broker.offer.remote(refs, reserved_bytes=estimate))
     ray.get(broker.close.remote())   # end of stream: the last partial window is released
 
+**Re-capture.** Features are a cache; the ledger and the sample source are the truth. A
+producer that can capture a sample again calls ``enable_recapture()``. A rank that finds a
+dispatched feature gone (a ``ray://`` blob lost with its capture actor, or a blob deleted under
+a later checkpoint than the one resumed) calls ``report_lost(refs)`` and then
+``wait_recaptured(ids)``; the producer takes the requests with ``take_lost()``, captures those
+samples again (same batch, same bytes, same key) and calls ``recaptured(refs)``. A re-captured
+sample keeps its place in its window and its room in the bound (it never left the stream).
+Without a producer that enabled it, ``report_lost`` returns False and the rank fails the run
+with ``FeaturesLostError``, as it must: nothing could bring the features back.
+
 ``WindowQueue`` is the plain bookkeeping (tested without Ray); ``SampleBroker`` is the async
 Ray actor that adds waiting and timeouts on top of it.
 """
@@ -113,6 +123,10 @@ class WindowQueue:
         self.peak_bytes = 0
         self.offered_total = 0
         self.released_total = 0
+        self.recapture_enabled = False
+        self.lost: dict[str, SampleRef] = {}  # reported lost, not yet taken by the producer
+        self.recapturing: dict[str, SampleRef] = {}  # taken, not yet captured again
+        self.recaptured_total = 0
 
     # -- capacity --------------------------------------------------------------------------
 
@@ -265,6 +279,38 @@ class WindowQueue:
         self.attempt, self.quantum, self.world_size, self.next_step = attempt, quantum, world_size, step + 1
         return len(requeue)
 
+    # -- re-capture ------------------------------------------------------------------------
+
+    def report_lost(self, refs: Iterable[SampleRef]) -> bool:
+        """Ask for these samples to be captured again; False when no producer can (see module docstring)."""
+        if not self.recapture_enabled:
+            return False
+        for ref in refs:
+            if ref.sample_id not in self.recapturing:
+                self.lost.setdefault(ref.sample_id, ref)
+        return True
+
+    def take_lost(self) -> list[SampleRef]:
+        taken, self.lost = list(self.lost.values()), {}
+        self.recapturing.update((r.sample_id, r) for r in taken)
+        return taken
+
+    def mark_recaptured(self, refs: Iterable[SampleRef]) -> None:
+        for ref in refs:
+            asked = self.recapturing.pop(ref.sample_id, None)
+            if asked is None:
+                raise ValueError(f"sample {ref.sample_id!r} was re-captured but nobody asked for it")
+            if (ref.key, ref.checksum) != (asked.key, asked.checksum):
+                raise ValueError(
+                    f"sample {ref.sample_id!r} re-captured as {ref.key} (checksum {ref.checksum}), but the stream "
+                    f"dispatched {asked.key} (checksum {asked.checksum}): capture is not deterministic here "
+                    "(a different target, dtype or batch?); the window cannot be trained as dispatched"
+                )
+            self.recaptured_total += 1
+
+    def awaiting_recapture(self, sample_ids: Iterable[str]) -> bool:
+        return any(sid in self.lost or sid in self.recapturing for sid in sample_ids)
+
     def stall_reason(self, window_waiters: int, reserve_waiters: int) -> str | None:
         """Why waiting cannot end: every rank waits for a window and producers wait for room."""
         if window_waiters < self.world_size or reserve_waiters == 0 or self.reserved_samples:
@@ -284,6 +330,7 @@ class WindowQueue:
             "reserved": self.reserved_samples, "pending": len(self.pending),
             "dispatched_windows": sum(w is not None for w in self.windows.values()),
             "offered_total": self.offered_total, "released_total": self.released_total,
+            "recaptured_total": self.recaptured_total,
         }
 
 
@@ -298,7 +345,7 @@ class _SampleBroker:
         self._store_uri = store_uri
         self._endpoint_url = endpoint_url
         self._changed = asyncio.Condition()
-        self._waiting = {"window": 0, "reserve": 0}
+        self._waiting = {"window": 0, "reserve": 0, "recapture": 0}
         self._stalled: str | None = None
 
     async def _wait_until(self, ready, timeout: float | None, kind: str) -> bool:
@@ -380,6 +427,30 @@ class _SampleBroker:
         await self._notify()
         return requeued
 
+    async def enable_recapture(self) -> None:
+        """The producer can capture samples again from their source (see the module docstring)."""
+        self._queue.recapture_enabled = True
+
+    async def report_lost(self, refs: list[SampleRef]) -> bool:
+        asked = self._queue.report_lost(refs)
+        await self._notify()
+        return asked
+
+    async def take_lost(self, timeout: float | None = None) -> list[SampleRef]:
+        """Producer side: the samples to capture again ([] after ``timeout`` with none)."""
+        async with self._changed:
+            await self._wait_until(lambda: bool(self._queue.lost), timeout, "recapture")
+            return self._queue.take_lost()
+
+    async def recaptured(self, refs: list[SampleRef]) -> None:
+        self._queue.mark_recaptured(refs)
+        await self._notify()
+
+    async def wait_recaptured(self, sample_ids: list[str], timeout: float | None = None) -> bool:
+        """Rank side: True once none of ``sample_ids`` awaits re-capture; False on timeout."""
+        async with self._changed:
+            return await self._wait_until(lambda: not self._queue.awaiting_recapture(sample_ids), timeout, "recapture")
+
     async def stats(self) -> dict:
         return self._queue.stats()
 
@@ -389,6 +460,7 @@ class _SampleBroker:
             "contract": self._contract.to_json() if self._contract else None,
             "store_uri": self._store_uri, "endpoint_url": self._endpoint_url,
             "max_inflight": self._queue.max_inflight, "max_inflight_bytes": self._queue.max_inflight_bytes,
+            "recapture": self._queue.recapture_enabled,
         }
 
 

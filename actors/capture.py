@@ -26,7 +26,12 @@ always re-sent with the same samples in the same order, so its features (and che
 are the same as the first attempt's would have been: the padded forward is a pure function
 of the batch, and the store key is a function of the sample id and contract. With a
 ``ray://`` store the features of batches already delivered die with their actor as well;
-capturing those again is the durable layer's job (see ``actors/object_store.py``).
+capturing those again is the durable layer's job (see ``actors/object_store.py``): it calls
+``recapture(batch, only=sample_ids)`` from any thread, and the pool (inside ``run``) sends
+the original batch again — same samples, same order, same padding, so the same bytes — with
+only those samples written, ahead of new batches and without ``admit`` (their room in the
+stream is still held). ``run(..., until=event)`` keeps serving re-captures after the source
+is exhausted, until ``event`` is set.
 """
 
 from __future__ import annotations
@@ -69,10 +74,11 @@ class CaptureActor:
         """Health probe: answers once the target is loaded; returns the process id."""
         return os.getpid()
 
-    def capture(self, batch_id: str, samples: list[RenderedSample]) -> list[SampleRef]:
+    def capture(self, batch_id: str, samples: list[RenderedSample], only: list[str] | None = None) -> list[SampleRef]:
+        """Capture the batch; with ``only``, write just those samples (a re-capture, same bytes)."""
         if not samples:
             raise ValueError(f"batch {batch_id!r} has no samples")
-        return self.server.capture(samples)
+        return self.server.capture(samples, only=only)
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,7 @@ class PoolStats:
     restarts: int  # actor failures recovered: restarted by Ray or replaced by the pool
     redispatched: int  # batch attempts lost with their actor and sent again
     max_inflight: int  # most batches dispatched and not yet delivered at one time
+    recaptured: int = 0  # samples captured again on request (not in batches/samples/tokens)
 
 
 @dataclass
@@ -97,9 +104,15 @@ class _Slot:
 
 @dataclass
 class _Attempt:
-    batch: Batch
+    job: _Job
     slot: int
     generation: int
+
+
+@dataclass(frozen=True)
+class _Job:
+    batch: Batch
+    only: tuple[str, ...] | None = None  # a re-capture writes only these samples of the batch
 
 
 @dataclass
@@ -107,8 +120,9 @@ class _RunState:
     on_refs: Callable[[str, list[SampleRef]], None]
     bar: tqdm
     pending: dict[ray.ObjectRef, _Attempt] = field(default_factory=dict)
-    retry: deque[Batch] = field(default_factory=deque)
+    retry: deque[_Job] = field(default_factory=deque)
     seen: set[str] = field(default_factory=set)
+    recapture_ids: set[str] = field(default_factory=set)
     delivered: set[str] = field(default_factory=set)
     attempts: dict[str, int] = field(default_factory=dict)
     samples: int = 0
@@ -116,6 +130,7 @@ class _RunState:
     restarts: int = 0
     redispatched: int = 0
     max_inflight: int = 0
+    recaptured: int = 0
     started: float | None = None  # perf_counter at the first dispatch (actor start-up is not capture time)
     last_progress: float = field(default_factory=time.monotonic)
 
@@ -147,6 +162,7 @@ class CapturePool:
         self.start_timeout_s = start_timeout_s
         self.stall_timeout_s = stall_timeout_s
         self._probes: dict[ray.ObjectRef, int] = {}
+        self._recaptures: deque[_Job] = deque()  # appended from other threads (deque ops are atomic)
         self._slots = [_Slot(self._actor_cls.remote(*self._actor_args, **self._actor_kwargs)) for _ in range(num_actors)]
         for index in range(num_actors):
             self._probe(index)
@@ -181,30 +197,69 @@ class CapturePool:
 
     # -- run --------------------------------------------------------------------------------
 
+    def recapture(self, batch: Batch, only: Iterable[str]) -> None:
+        """Queue a re-capture of ``only`` (sample ids of ``batch``); thread-safe, served by ``run``.
+
+        ``batch`` must be the batch exactly as first captured (same samples, same order), and
+        its id unique within the run that serves it (e.g. ``"recapture-3/batch-000007"``);
+        the refs go to that run's ``on_refs`` under this id.
+        """
+        only = tuple(only)
+        if not only:
+            raise ValueError(f"recapture of batch {batch[0]!r} names no samples")
+        self._recaptures.append(_Job((batch[0], list(batch[1])), only))
+
     def run(self, batches: Iterable[Batch], on_refs: Callable[[str, list[SampleRef]], None], *,
-            admit: Callable[[Batch], None] | None = None, progress: bool = False) -> PoolStats:
-        """Capture every batch; ``on_refs(batch_id, refs)`` once per batch, in completion order."""
+            admit: Callable[[Batch], None] | None = None, progress: bool = False,
+            until: threading.Event | None = None) -> PoolStats:
+        """Capture every batch; ``on_refs(batch_id, refs)`` once per batch, in completion order.
+
+        Queued re-captures go first. With ``until``, the run keeps serving re-captures after
+        the last batch until the event is set (and nothing is outstanding).
+        """
         if self._closed:
             raise RuntimeError("this CapturePool is closed; create a new one")
         for slot in self._slots:
             slot.inflight = 0  # attempts left over from an aborted run are not waited for
         source = iter(batches)
+        exhausted = False
         with tqdm(unit="tok", desc="capture", disable=not progress) as bar:
             st = _RunState(on_refs, bar)
             while True:
-                batch = st.retry.popleft() if st.retry else self._next(source, admit, st)
-                if batch is None:
-                    if not st.pending:
+                job = self._urgent(st)
+                if job is None and not exhausted:
+                    job = self._next(source, admit, st)
+                    exhausted = job is None
+                if job is None:
+                    if not st.pending and (until is None or until.is_set()):
                         break
-                    self._poll(st)
+                    if st.pending or self._probes:
+                        self._poll(st, timeout=0.2 if until is not None else 1.0)
+                    else:
+                        until.wait(0.2)
                     continue
                 while (index := self._free_slot()) is None:
                     self._poll(st)
-                self._dispatch(batch, index, st)
+                self._dispatch(job, index, st)
         seconds = time.perf_counter() - st.started if st.started is not None else 0.0
-        return PoolStats(len(st.delivered), st.samples, st.tokens, seconds, st.restarts, st.redispatched, st.max_inflight)
+        batches = len(st.delivered) - sum(1 for job_id in st.delivered if job_id in st.recapture_ids)
+        return PoolStats(batches, st.samples, st.tokens, seconds, st.restarts, st.redispatched, st.max_inflight,
+                         st.recaptured)
 
-    def _next(self, source: Iterator[Batch], admit: Callable[[Batch], None] | None, st: _RunState) -> Batch | None:
+    def _urgent(self, st: _RunState) -> _Job | None:
+        """A lost attempt to re-send, else a queued re-capture (its id checked like a new batch's)."""
+        if st.retry:
+            return st.retry.popleft()
+        if not self._recaptures:
+            return None
+        job = self._recaptures.popleft()
+        if job.batch[0] in st.seen:
+            raise ValueError(f"batch id {job.batch[0]!r} appears twice; batch ids must be unique within a run")
+        st.seen.add(job.batch[0])
+        st.recapture_ids.add(job.batch[0])
+        return job
+
+    def _next(self, source: Iterator[Batch], admit: Callable[[Batch], None] | None, st: _RunState) -> _Job | None:
         batch = next(source, None)
         if batch is None:
             return None
@@ -217,7 +272,7 @@ class CapturePool:
         batch = (batch_id, list(samples))
         if admit is not None:
             self._while_polling(admit, batch, st)
-        return batch
+        return _Job(batch)
 
     def _while_polling(self, fn: Callable[[Batch], None], batch: Batch, st: _RunState) -> None:
         """Call ``fn(batch)`` on a helper thread and keep delivering finished batches until it returns."""
@@ -234,10 +289,10 @@ class CapturePool:
 
         threading.Thread(target=call, name="specray-admit", daemon=True).start()
         while not done.is_set():
-            # Re-send lost batches meanwhile: they were admitted already, and the room ``fn``
-            # waits for may only come once they are delivered.
-            while st.retry and (index := self._free_slot()) is not None:
-                self._dispatch(st.retry.popleft(), index, st)
+            # Re-send lost batches and serve re-captures meanwhile: they hold their room
+            # already, and the room ``fn`` waits for may only come once they are delivered.
+            while (st.retry or self._recaptures) and (index := self._free_slot()) is not None:
+                self._dispatch(self._urgent(st), index, st)
             if st.pending or self._probes:
                 self._poll(st, timeout=0.05)
             else:
@@ -249,11 +304,12 @@ class CapturePool:
         ready = [i for i, s in enumerate(self._slots) if s.probe is None and s.inflight < self.max_inflight_batches]
         return min(ready, key=lambda i: self._slots[i].inflight) if ready else None
 
-    def _dispatch(self, batch: Batch, index: int, st: _RunState) -> None:
+    def _dispatch(self, job: _Job, index: int, st: _RunState) -> None:
         slot = self._slots[index]
         if st.started is None:
             st.started = time.perf_counter()
-        st.pending[slot.actor.capture.remote(*batch)] = _Attempt(batch, index, slot.generation)
+        only = list(job.only) if job.only is not None else None
+        st.pending[slot.actor.capture.remote(*job.batch, only)] = _Attempt(job, index, slot.generation)
         slot.inflight += 1
         st.last_progress = time.monotonic()
         st.max_inflight = max(st.max_inflight, len(st.pending))
@@ -291,10 +347,14 @@ class CapturePool:
                 raise RuntimeError(f"capture actor {attempt.slot} failed in its constructor: {e}") from e
             self._lost(attempt, e, st)
             return
-        batch_id = attempt.batch[0]
+        batch_id = attempt.job.batch[0]
         if batch_id in st.delivered:  # only one attempt is ever outstanding; guards the exactly-once promise
             return
         st.delivered.add(batch_id)
+        if attempt.job.only is not None:
+            st.recaptured += len(refs)
+            st.on_refs(batch_id, refs)
+            return
         st.samples += len(refs)
         tokens = sum(r.num_tokens for r in refs)
         st.tokens += tokens
@@ -303,14 +363,14 @@ class CapturePool:
 
     def _lost(self, attempt: _Attempt, error: RayActorError, st: _RunState) -> None:
         """The attempt died with its actor: send the batch again and probe (or replace) the actor."""
-        batch_id = attempt.batch[0]
+        batch_id = attempt.job.batch[0]
         st.attempts[batch_id] = st.attempts.get(batch_id, 1) + 1
         if st.attempts[batch_id] > self.max_batch_attempts:
             raise RuntimeError(
                 f"batch {batch_id!r} lost its actor {self.max_batch_attempts} times (last: {error}); it probably "
                 "kills the actor (out of memory?): lower capture.max_batch_tokens or give actors more memory"
             )
-        st.retry.append(attempt.batch)
+        st.retry.append(attempt.job)
         st.redispatched += 1
         slot = self._slots[attempt.slot]
         if attempt.generation == slot.generation:  # first news of this death

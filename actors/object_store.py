@@ -24,10 +24,12 @@ Semantics — the ``ray://`` store is a **cache**, not a durable store:
   into the refs it hands out); those bytes are the right ones, checksum verified;
 - the directory lives as long as the process that first opened ``ray://NAME`` (open it in
   the driver first; ``CapturePool`` does), and the whole store ends with the Ray job;
-- the durable truth is the ack ledger plus the sample source: a window whose features were
-  lost is captured again from its samples (capture is deterministic per batch), it is
-  never skipped or trained on twice. Use ``file://`` or ``s3://`` for features that must
-  outlive the run (offline manifests).
+- the durable truth is the ack ledger plus the sample source: a trainer rank that finds a
+  dispatched feature gone asks the broker, and the online pipeline's producer captures the
+  sample again from its original batch (same padding, so the same bytes and checksum); the
+  window is trained as dispatched, never skipped or trained twice (``actors/broker.py``,
+  re-capture). Use ``file://`` or ``s3://`` for features that must outlive the run
+  (offline manifests).
 """
 
 from __future__ import annotations

@@ -36,6 +36,15 @@ history goes back to the front of the queue and is re-split for this attempt's `
 world size may differ). So a crash mid-window, between an optimizer step and its checkpoint,
 or during deletion leaves every sample trained exactly once in the final model's lineage.
 
+**Lost features.** A dispatched feature can be gone: a ``ray://`` blob dies with the capture
+actor that owned it, and resuming from an older checkpoint than the newest re-dispatches
+samples whose blobs a later checkpoint already deleted. When the producer can capture again
+(``broker.enable_recapture()``, as the online pipeline's does), such samples are re-dispatched
+in their place; a rank that cannot read one reports it (``report_lost``) and waits up to
+``RECAPTURE_TIMEOUT_S`` until it is captured again, bit for bit (same batch, same key, same
+checksum), then trains the window as dispatched. Without such a producer it raises
+``FeaturesLostError``: training on around a hole would break exactly-once.
+
 **Offline** (``cfg.data.manifest``, no broker). Each rank reads its slice with
 ``FeatureLoader`` for as many epochs as ``optim.total_steps`` needs; its order is a pure
 function of (seed, epoch, position) and its state rides in the checkpoint, so resuming needs
@@ -74,7 +83,7 @@ from ray.train.torch import TorchTrainer
 
 from specray.actors.broker import Window
 from specray.capture.contract import CaptureContract
-from specray.capture.store import SampleRef, open_store, read_manifest
+from specray.capture.store import FeatureNotFoundError, SampleRef, open_store, read_manifest
 from specray.pipeline.config import TrainJobConfig
 from specray.pipeline.train_job import build_rank
 from specray.trainer.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
@@ -84,6 +93,7 @@ from specray.trainer.loader import FeatureLoader, TrainBatch, collate
 FAULT_POINTS = ("mid_window", "after_step_before_checkpoint", "during_delete")
 CRASH_EXIT_CODE = 87
 FIT_GRACE_S = 90.0  # after timeout_s: time for the workers to notice the deadline and the group to stop
+RECAPTURE_TIMEOUT_S = 600.0  # a rank waits this long for lost features to be captured again
 _CHECKPOINT_NAME = re.compile(r"checkpoint-a(\d+)-s(\d+)/?$")
 
 
@@ -310,13 +320,17 @@ class _GangRank:
     def _plan_attempt(self, ray_checkpoint) -> dict:
         state = self.ledger.replay()
         parent, location = self._resume_point(state, ray_checkpoint)
-        plan = recovery_plan(state, parent, store=self.store) if self.online else None
-        if plan is not None and plan.lost:
-            raise FeaturesLostError(
-                f"resuming from checkpoint {parent}: {len(plan.lost)} dispatched samples outside its history have no "
-                f"features any more (e.g. {plan.lost[:3]}): deleted under a later checkpoint, or gone with the store. "
-                "Resume from the ledger's latest checkpoint, or re-capture those samples"
-            )
+        plan = None
+        if self.online:
+            recapture = ray.get(self.spec["broker"].describe.remote(), timeout=60)["recapture"]
+            plan = recovery_plan(state, parent, store=self.store, recapture=recapture)
+            if plan.lost and not recapture:
+                raise FeaturesLostError(
+                    f"resuming from checkpoint {parent}: {len(plan.lost)} dispatched samples outside its history have "
+                    f"no features any more (e.g. {[r.sample_id for r in plan.lost[:3]]}): deleted under a later "
+                    "checkpoint, or gone with the store, and no producer of this stream can capture them again. "
+                    "Resume from the ledger's latest checkpoint, or run the stream's producer with re-capture"
+                )
         if parent is not None and state.find_checkpoint(*parent) is None:
             self.ledger.checkpointed(*parent, location)  # Ray registered it; the group died before the ledger said so
         attempt = state.next_attempt
@@ -415,9 +429,37 @@ class _GangRank:
     def _batch(self, slot: list[SampleRef], window: Window) -> TrainBatch:
         max_length = self.cfg.data.max_length
         if slot:
-            return collate([self.store.get(r) for r in slot], [r.sample_id for r in slot], max_length=max_length)
-        filler = collate([self.store.get(window.refs[0])], [], max_length=max_length)
+            return collate(self._read(slot), [r.sample_id for r in slot], max_length=max_length)
+        filler = collate(self._read([window.refs[0]]), [], max_length=max_length)
         return dataclasses.replace(filler, loss_mask=torch.zeros_like(filler.loss_mask), num_tokens=0)
+
+    def _read(self, refs: list[SampleRef]) -> list[dict[str, torch.Tensor]]:
+        """The features of ``refs``; lost ones are captured again when the producer can (module docstring)."""
+        features: dict[str, dict[str, torch.Tensor]] = {}
+        todo = list(refs)
+        for _ in range(3):  # a re-captured blob can be lost again only if its new owner dies too
+            lost = []
+            for ref in todo:
+                try:
+                    features[ref.sample_id] = self.store.get(ref)
+                except FeatureNotFoundError:
+                    lost.append(ref)
+            if not lost:
+                return [features[r.sample_id] for r in refs]
+            broker = self.spec["broker"]
+            ids = [r.sample_id for r in lost]
+            if not ray.get(broker.report_lost.remote(lost), timeout=60):
+                raise FeaturesLostError(
+                    f"step {self.step + 1}: the features of {len(lost)} dispatched samples are gone (e.g. {ids[:3]}) "
+                    f"from {self.spec['store_uri']}, and no producer of this stream can capture them again"
+                )
+            timeout = min(RECAPTURE_TIMEOUT_S, self._remaining() or RECAPTURE_TIMEOUT_S)
+            if not ray.get(broker.wait_recaptured.remote(ids, timeout=timeout), timeout=timeout + 60):
+                raise FeaturesLostError(f"step {self.step + 1}: samples {ids[:3]} were not captured again within "
+                                        f"{timeout:.0f} s; is the producer running?")
+            todo = lost
+        raise FeaturesLostError(f"step {self.step + 1}: samples {[r.sample_id for r in todo][:3]} were lost again "
+                                "after 3 re-captures")
 
     def _ack(self, window: Window, acked: list[str]) -> None:
         expected = [r.sample_id for r in window.refs]

@@ -20,7 +20,7 @@ Usage::
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Iterable, Iterator, Sequence
+from typing import Collection, Iterable, Iterator, Sequence
 
 import torch
 
@@ -142,9 +142,20 @@ class CaptureServer:
             for s, f in zip(samples, features)
         ]
 
-    def capture(self, samples: Sequence[RenderedSample]) -> list[SampleRef]:
-        """Extract and write every sample; returns once every blob is durable."""
-        return [f.result() for f in self._write(samples, self.extract(samples))]
+    def capture(self, samples: Sequence[RenderedSample], *, only: Collection[str] | None = None) -> list[SampleRef]:
+        """Extract and write every sample (or the ``only`` sample ids); returns once every blob is durable.
+
+        ``only`` re-captures some samples of a batch: the forward still runs over the whole
+        batch, padded exactly as the first time, so their bytes equal the first capture's.
+        """
+        features = self.extract(samples)
+        if only is not None:
+            unknown = set(only) - {s.sample_id for s in samples}
+            if unknown:
+                raise ValueError(f"only= names samples that are not in this batch: {sorted(unknown)[:5]}")
+            kept = [(s, f) for s, f in zip(samples, features) if s.sample_id in only]
+            samples, features = [s for s, _ in kept], [f for _, f in kept]
+        return [f.result() for f in self._write(samples, features)]
 
     def capture_all(self, batches: Iterable[Sequence[RenderedSample]]) -> Iterator[list[SampleRef]]:
         """Yield each batch's refs once durable; the next forward overlaps the previous writes."""

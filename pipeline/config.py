@@ -81,14 +81,15 @@ class CaptureConfig(Section):
 
 
 class StoreConfig(Section):
-    uri: str | None = Field(None, description="file://… or s3://bucket/prefix (None = <run_dir>/features)")
+    uri: str | None = Field(None, description="file://…, s3://bucket/prefix, or ray://NAME for online pipelines "
+                                              "(None = <run_dir>/features)")
     endpoint_url: str | None = Field(None, description="S3 endpoint, e.g. http://127.0.0.1:8333 (else $SPECRAY_S3_ENDPOINT)")
 
     @field_validator("uri")
     @classmethod
     def _known_scheme(cls, value: str | None) -> str | None:
-        if value is not None and "://" in value and not value.startswith(("file://", "s3://")):
-            raise ValueError(f"store URI {value!r}: use file://PATH or s3://BUCKET/PREFIX")
+        if value is not None and "://" in value and not value.startswith(("file://", "s3://", "ray://")):
+            raise ValueError(f"store URI {value!r}: use file://PATH, s3://BUCKET/PREFIX or (online) ray://NAME")
         return value
 
 
@@ -426,6 +427,12 @@ class PipelineConfig(JobConfig):
                 f"samples per step x train.checkpoint_every={t.checkpoint_every} = {need} (features are deleted only "
                 f"after a checkpoint covers them); raise online.max_inflight_samples to >= {need} or lower "
                 f"train.checkpoint_every"
+            )
+        if self.mode == "offline" and (self.store.uri or "").startswith("ray://"):
+            raise ValueError(
+                f"store.uri={self.store.uri} is the Ray object store, a cache that dies with the capture actors; "
+                "offline mode writes a manifest that training reads later: use a file:// or s3:// store.uri, "
+                "or mode=online"
             )
         if self.mode == "online" and self.capture.max_batch_size > o.max_inflight_samples:
             raise ValueError(

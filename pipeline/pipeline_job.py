@@ -248,7 +248,13 @@ def _train_online(cfg: PipelineConfig, report: PipelineReport, progress: bool) -
 
 
 class _Producer(threading.Thread):
-    """Feeds the capture pool's batches into the broker: reserve room, capture, offer the refs."""
+    """Feeds the capture pool's batches into the broker: reserve room, capture, offer the refs.
+
+    It also captures samples again on the gang's request (``actors/broker.py``, re-capture):
+    a watcher thread takes the lost refs from the broker and queues their original batches on
+    the pool with ``only=`` those samples; the pool serves them ahead of new batches, and after
+    the last new batch until the gang is done (``stop``).
+    """
 
     def __init__(self, pool, broker, plan, progress: bool):
         super().__init__(name="specray-producer", daemon=True)
@@ -257,6 +263,10 @@ class _Producer(threading.Thread):
         self.error: BaseException | None = None
         self.stats: dict | None = None
         self.reserved: dict[str, int] = {}
+        self.batches = [(f"batch-{i:06d}", batch) for i, batch in enumerate(plan.batches)]
+        self.batch_of = {s.sample_id: i for i, (_, batch) in enumerate(self.batches) for s in batch}
+        self.recaptures = 0
+        self.recaptured_samples = 0
 
     def _estimate(self, samples) -> int:  # bytes a batch will occupy in the store (contract minimum + headers)
         return sum(self.plan.contract.min_bytes_per_token * s.num_tokens + 4096 for s in samples)
@@ -271,32 +281,64 @@ class _Producer(threading.Thread):
                 raise RuntimeError("the pipeline stopped while the producer waited for room in the broker")
         self.reserved[batch_id] = estimate
 
-    def _offer(self, batch_id: str, refs) -> None:
+    def _deliver(self, batch_id: str, refs) -> None:
         import ray
 
-        ray.get(self.broker.offer.remote(refs, reserved_bytes=self.reserved.pop(batch_id)), timeout=60)
+        if batch_id.startswith("recapture-"):
+            self.recaptured_samples += len(refs)
+            ray.get(self.broker.recaptured.remote(refs), timeout=60)
+        else:
+            ray.get(self.broker.offer.remote(refs, reserved_bytes=self.reserved.pop(batch_id)), timeout=60)
+
+    def _watch_lost(self) -> None:
+        """Take lost samples from the broker and queue their batches for re-capture."""
+        import ray
+
+        try:
+            while not self.stop.is_set():
+                lost = ray.get(self.broker.take_lost.remote(timeout=1.0), timeout=60)
+                by_batch: dict[int, list[str]] = {}
+                for ref in lost:
+                    by_batch.setdefault(self.batch_of[ref.sample_id], []).append(ref.sample_id)
+                for index, ids in sorted(by_batch.items()):
+                    self.recaptures += 1
+                    batch_id, samples = self.batches[index]
+                    self.pool.recapture((f"recapture-{self.recaptures}/{batch_id}", samples), only=ids)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the driver by check()
+            self.error = self.error or e
 
     def run(self) -> None:
         import ray
 
+        watcher = threading.Thread(target=self._watch_lost, name="specray-recapture", daemon=True)
         try:
-            batches = ((f"batch-{i:06d}", batch) for i, batch in enumerate(self.plan.batches))
-            stats = self.pool.run(batches, self._offer, admit=self._admit, progress=self.progress)
+            ray.get(self.broker.enable_recapture.remote(), timeout=60)
+            watcher.start()
+            stats = self.pool.run(self.batches, self._deliver, admit=self._admit, progress=self.progress)
             self.stats = {"batches": stats.batches, "samples": stats.samples, "tokens": stats.tokens,
                           "restarts": stats.restarts, "redispatched": stats.redispatched}
             ray.get(self.broker.close.remote(), timeout=60)
+            # The stream is complete; keep capturing lost samples again until the gang is done.
+            self.pool.run([], self._deliver, until=self.stop)
         except BaseException as e:  # noqa: BLE001 - re-raised in the driver by check()
             self.error = e
             # End the stream so the gang finishes what it has instead of waiting forever;
             # check() then fails the run with this error.
             ray.get(self.broker.close.remote(), timeout=60)
+        finally:
+            self.stop.set()
+            if watcher.is_alive():
+                watcher.join(timeout=70)
 
     def check(self) -> None:
+        """After the gang returned: stop serving re-captures, and raise what went wrong."""
+        self.stop.set()
         self.join(timeout=120)
         if self.is_alive():
             raise RuntimeError("the capture producer is still running after the trainer finished")
         if self.error is not None:
             raise RuntimeError(f"online capture failed: {self.error}") from self.error
+        self.stats.update(recaptures=self.recaptures, recaptured_samples=self.recaptured_samples)
 
 
 def _serve(cfg: PipelineConfig, drafter_dir: str):

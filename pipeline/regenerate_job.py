@@ -3,7 +3,7 @@
     specray regenerate --dataset sharegpt --num 512 --out data/sharegpt-smollm2.jsonl
 
 Takes the first user turn of each conversation, generates the target's answer with the engine
-(batched; greedy by default, so the data is exactly what greedy serving will produce), and
+(continuous batching, ``batch_size`` answers at once; greedy by default, so the data is exactly what greedy serving will produce), and
 writes one ``{"id", "messages": [user, assistant]}`` line per conversation: the format
 ``specray capture`` reads as ``data.dataset=jsonl:PATH``. A drafter trained on the target's own
 outputs sees the distribution it will be verified against, so it is accepted far more often.
@@ -40,13 +40,20 @@ def regenerate(*, target_name: str, dataset: str, num: int, out: str, skip: int 
             continue
         todo.append((conv.id, user))
     tokens = 0
+    # Continuous batching: every prompt is queued at once; the engine keeps batch_size of them
+    # running, and an answer is written (and flushed: a rerun resumes) the step it finishes.
     with open(path, "a") as f, tqdm(total=len(todo), unit="prompt", desc="regenerate", disable=not progress) as bar:
-        for i in range(0, len(todo), batch_size):
-            chunk = todo[i : i + batch_size]
-            for (cid, user), result in zip(chunk, engine.generate([u for _, u in chunk], params)):
+        live = [(cid, user, engine.submit(user, params)) for cid, user in todo]
+        while live:
+            engine.step()
+            finished = [item for item in live if item[2].done]
+            live = [item for item in live if not item[2].done]
+            for cid, user, handle in finished:
+                result = handle.result()
                 messages = [{"role": "user", "content": user}, {"role": "assistant", "content": result.text}]
                 f.write(json.dumps({"id": cid, "messages": messages}) + "\n")
                 tokens += len(result.token_ids)
-            f.flush()
-            bar.update(len(chunk))
+            if finished:
+                f.flush()
+                bar.update(len(finished))
     return {"written": len(todo), "already_there": len(done), "skipped_too_long": too_long, "tokens": tokens, "out": str(path)}

@@ -278,15 +278,18 @@ class RecoveryPlan:
     redispatch: list[SampleRef]  # dispatched samples outside the history, in original order
     delete_windows: list[str]  # lineage windows without a deleted txn (deletion crashed or never ran)
     delete_keys: list[str]  # their keys
-    lost: list[str]  # samples to re-dispatch whose features are gone
+    lost: list[SampleRef]  # dispatched samples outside the history whose features are gone
 
 
-def recovery_plan(state: LedgerState, parent: tuple[int, int] | None, *, store: BlobStore | None = None) -> RecoveryPlan:
+def recovery_plan(state: LedgerState, parent: tuple[int, int] | None, *, store: BlobStore | None = None,
+                  recapture: bool = False) -> RecoveryPlan:
     """Resume from checkpoint ``parent`` (None = from scratch): history, re-dispatch, deletions.
 
-    A sample is re-dispatched iff it was dispatched and is not in the history; one that was
-    deleted (a window trained under a later checkpoint than ``parent``), or whose key is
-    missing in ``store`` when one is given, is reported in ``lost`` instead.
+    A sample is re-dispatched iff it was dispatched and is not in the history. One whose
+    features are gone — deleted (a window trained under a later checkpoint than ``parent``),
+    or its key missing in ``store`` when one is given — is reported in ``lost``; it is also
+    re-dispatched, in its place, when ``recapture`` says a producer will capture it again
+    (``actors/broker.py``), and left out otherwise.
     """
     lineage = state.lineage(*parent) if parent else []
     history = frozenset(sid for t in lineage for sid in t["sample_ids"])
@@ -296,7 +299,7 @@ def recovery_plan(state: LedgerState, parent: tuple[int, int] | None, *, store: 
     covered = set(lineage_windows)
     deleted_keys = {ref.key for w in state.deleted_windows for ref in state.windows.get(w, ())}
     redispatch: dict[str, SampleRef] = {}
-    lost: dict[str, None] = {}  # an ordered set
+    lost: dict[str, SampleRef] = {}
     for window, refs in state.windows.items():
         if window in covered:
             continue
@@ -304,10 +307,11 @@ def recovery_plan(state: LedgerState, parent: tuple[int, int] | None, *, store: 
             if ref.sample_id in history or ref.sample_id in redispatch or ref.sample_id in lost:
                 continue
             if ref.key in deleted_keys or (store is not None and not store.exists(ref.key)):
-                lost[ref.sample_id] = None
-            else:
-                redispatch[ref.sample_id] = ref
-    return RecoveryPlan(parent, history, list(redispatch.values()), delete_windows, delete_keys, list(lost))
+                lost[ref.sample_id] = ref
+                if not recapture:
+                    continue
+            redispatch[ref.sample_id] = ref
+    return RecoveryPlan(parent, history, list(redispatch.values()), delete_windows, delete_keys, list(lost.values()))
 
 
 @dataclass(frozen=True)

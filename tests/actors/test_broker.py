@@ -169,3 +169,46 @@ def test_actor_reports_a_deadlock_instead_of_hanging(ray_cluster):
     with pytest.raises(BrokerStalledError):
         ray.get(window, timeout=30)
     ray.kill(broker)
+
+
+def test_recapture_requests_need_a_producer_and_must_match_what_was_dispatched():
+    queue = WindowQueue(2, max_inflight=8)
+    queue.rewind(0, quantum=2, world_size=1, step=0)
+    _offer(queue, "a", "b")
+    assert queue.report_lost([_ref("a")]) is False  # nobody can capture again: the rank must fail
+    queue.recapture_enabled = True
+    assert queue.report_lost([_ref("a"), _ref("b")]) is True
+    assert queue.report_lost([_ref("a")]) is True  # a second rank asking for the same sample: one request
+    assert queue.awaiting_recapture(["a"]) and not queue.awaiting_recapture(["c"])
+    assert [r.sample_id for r in queue.take_lost()] == ["a", "b"] and queue.take_lost() == []
+    assert queue.report_lost([_ref("a")]) is True and queue.take_lost() == []  # already being captured
+    queue.mark_recaptured([_ref("a")])
+    assert not queue.awaiting_recapture(["a"]) and queue.awaiting_recapture(["a", "b"])
+    changed = SampleRef("b", "features/b.safetensors", (TensorMeta("input_ids", (4,), "int64"),), 4, 100,
+                        "sha256:" + "1" * 64, "c0ffee")
+    with pytest.raises(ValueError, match="capture is not deterministic here"):
+        queue.mark_recaptured([changed])
+    with pytest.raises(ValueError, match="nobody asked for it"):
+        queue.mark_recaptured([_ref("z")])
+    stats = queue.stats()
+    assert stats["recaptured_total"] == 1 and stats["inflight"] == 2  # re-captured samples keep their room
+
+
+@pytest.mark.ray
+def test_actor_wakes_a_rank_waiting_for_a_recapture(ray_cluster):
+    import ray
+
+    broker = start_sample_broker(1, max_inflight=4)
+    ray.get(broker.rewind.remote(0, quantum=1, world_size=1, step=0), timeout=60)
+    assert ray.get(broker.report_lost.remote([_ref("a")]), timeout=30) is False
+    ray.get(broker.enable_recapture.remote(), timeout=30)
+    assert ray.get(broker.describe.remote(), timeout=30)["recapture"] is True
+    assert ray.get(broker.take_lost.remote(timeout=0.2), timeout=30) == []
+    assert ray.get(broker.report_lost.remote([_ref("a")]), timeout=30) is True
+    waiting = broker.wait_recaptured.remote(["a"], timeout=60)
+    assert [r.sample_id for r in ray.get(broker.take_lost.remote(timeout=5), timeout=30)] == ["a"]
+    assert ray.wait([waiting], timeout=0.5)[0] == []  # taken, not captured yet
+    ray.get(broker.recaptured.remote([_ref("a")]), timeout=30)
+    assert ray.get(waiting, timeout=30) is True
+    assert ray.get(broker.wait_recaptured.remote(["b"], timeout=0), timeout=30) is True  # nothing asked
+    ray.kill(broker)

@@ -223,3 +223,33 @@ def test_capture_into_the_ray_object_store_lives_as_long_as_the_actors(ray_clust
         time.sleep(0.2)
     with pytest.raises(FeatureNotFoundError):
         pool.store.get(ref)
+
+
+def test_recapture_writes_only_the_lost_samples_with_the_first_bytes(ray_cluster, contract, batches, reference):
+    import uuid
+
+    from specray.actors.capture import CapturePool
+
+    pool = CapturePool("debug", contract, f"ray://recapture-{uuid.uuid4().hex[:8]}", num_actors=1,
+                       num_cpus_per_actor=CPUS)
+    try:
+        first, _, on_refs = _collect()
+        pool.run(batches[:2], on_refs)
+        lost = first["b01"][1]
+        pool.store.delete(lost.key)
+        pool.store.delete(first["b00"][0].key)  # trained and deleted: must not come back
+        pool.recapture(batches[1], only=[lost.sample_id])
+        again, calls, on_refs = _collect()
+        stop = threading.Event()
+        stop.set()  # serve what is queued, then return
+        stats = pool.run([], on_refs, until=stop)
+        assert (stats.batches, stats.samples, stats.recaptured) == (0, 0, 1)
+        assert list(calls) == ["b01"] and [r.sample_id for r in again["b01"]] == [lost.sample_id]
+        assert again["b01"][0] == lost  # same key, same checksum: the bytes of the first capture
+        assert again["b01"][0].checksum == reference[lost.sample_id]
+        assert pool.store.get(lost)["input_ids"].numel() == lost.num_tokens
+        assert not pool.store.exists(first["b00"][0].key)
+        with pytest.raises(ValueError, match="names no samples"):
+            pool.recapture(batches[1], only=[])
+    finally:
+        pool.close()

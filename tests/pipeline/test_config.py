@@ -33,7 +33,7 @@ def test_overrides_are_parsed_as_yaml(tmp_path):
         ("", ["data.dataset=mtbench"], r"data\.dataset: 'mtbench' is held out for evaluation"),
         ("", ["data.truncation=middle"], r"data\.truncation: Input should be 'truncate' or 'drop'"),
         ("", ["capture.algorithm=medusa"], r"capture\.algorithm: unknown algorithm 'medusa'"),
-        ("", ["store.uri=gs://b/x"], r"store\.uri: store URI 'gs://b/x': use file://PATH or s3://"),
+        ("", ["store.uri=gs://b/x"], r"store\.uri: store URI 'gs://b/x': use file://PATH, s3://BUCKET/PREFIX or \(online\) ray://NAME"),
         ("", ["data=3"], r"data: Input should be a valid dictionary"),
         ("", ["novalue"], r"must look like section\.field=value"),
         ("- a\n- b\n", [], r"top level must be a mapping"),

@@ -91,11 +91,65 @@ def test_online_pipeline_survives_a_killed_capture_actor(ray_cluster, tmp_path):
     assert set(report.stage_seconds) == {"capture+train", "export"}
 
 
+def _kill_capture_actor_once_it_owns(store_name: str, keys: int, address: str, done: threading.Event,
+                                     killed: list) -> None:
+    """SIGKILL the capture actor once the ray:// store's directory names ``keys`` blobs (all its own)."""
+    import ray
+
+    from specray.actors.object_store import DIRECTORY_PREFIX
+
+    while not done.is_set():
+        try:
+            size = ray.get(ray.get_actor(DIRECTORY_PREFIX + store_name).size.remote(), timeout=10)
+        except ValueError:  # the directory does not exist yet
+            size = 0
+        if size >= keys:
+            _kill_one_capture_actor(address, done, killed)
+            return
+        time.sleep(0.05)
+
+
+def test_online_ray_store_captures_features_lost_with_their_actor_again(ray_cluster, tmp_path):
+    """A ray:// blob dies with the actor that owns it: the gang asks, the producer captures it again."""
+    import uuid
+
+    from specray.pipeline.pipeline_job import run_pipeline
+
+    name = f"online-{uuid.uuid4().hex[:8]}"
+    cfg = load_config(PipelineConfig, "manifests/online.yaml", [
+        *TINY, "data.max_samples=16", "capture.num_actors=1", "online.max_inflight_samples=6",
+        f"store.uri=ray://{name}", "serve.enabled=false", "bench.enabled=false",
+        f"output.run_dir={tmp_path / 'online'}",
+    ])
+    done, killed = threading.Event(), []
+    # The bound lets the one actor write 6 blobs before the gang (seconds to start) trains any.
+    killer = threading.Thread(target=_kill_capture_actor_once_it_owns,
+                              args=(name, 4, ray_cluster.dashboard_url, done, killed), daemon=True)
+    killer.start()
+    try:
+        report, _ = run_pipeline(cfg, progress=False)
+    finally:
+        done.set()
+        killer.join(timeout=30)
+    assert killed, "no capture actor was killed: the test did not test anything"
+    online = report.online
+    assert online["audit"] == {"ok": True, "trained": online["audit"]["trained"], "duplicates": 0, "missing": 0,
+                               "leftover_features": 0}
+    assert online["audit"]["trained"] == online["capture"]["samples"] > 0
+    assert online["capture"]["recaptured_samples"] > 0  # what the kill took was captured again
+    assert online["peak_inflight_samples"] <= 6
+
+
 def test_online_bound_below_a_checkpoint_interval_is_a_config_error():
     with pytest.raises(ConfigError, match=r"online.max_inflight_samples=3 cannot hold one checkpoint interval.*>= 4"):
         load_config(PipelineConfig, "manifests/online.yaml", ["online.max_inflight_samples=3",
                                                                "train.checkpoint_every=2", "train.num_workers=1",
                                                                "train.optim.micro_batch_size=2"])
+
+
+def test_the_ray_object_store_is_refused_for_offline_runs():
+    with pytest.raises(ConfigError, match=r"store.uri=ray://x is the Ray object store, a cache.*use a file:// or s3://"):
+        load_config(PipelineConfig, "manifests/quickstart.yaml", ["store.uri=ray://x"])
 
 
 def test_a_run_dir_not_made_by_a_pipeline_is_never_replaced(tmp_path):

@@ -106,14 +106,17 @@ def test_recovery_plan_redispatches_everything_outside_the_history_in_order(tmp_
     assert plan.delete_windows == ["w2", "x3"]
 
     scratch = recovery_plan(state, None)  # from scratch, the deleted w1 cannot be trained again
-    assert [r.sample_id for r in scratch.redispatch] == list("cdefgh") and scratch.lost == ["a", "b"]
+    assert [r.sample_id for r in scratch.redispatch] == list("cdefgh") and [r.sample_id for r in scratch.lost] == ["a", "b"]
+    # with a producer that captures again, the lost samples are re-dispatched in their place
+    scratch = recovery_plan(state, None, recapture=True)
+    assert [r.sample_id for r in scratch.redispatch] == list("abcdefgh") and [r.sample_id for r in scratch.lost] == ["a", "b"]
 
     store = FeatureStore(str(tmp_path / "store"))
     store.put_bytes(_ref("h").key, b"features of h")
     plan = recovery_plan(state, (1, 3), store=store)
-    assert [r.sample_id for r in plan.redispatch] == ["h"] and plan.lost == ["g"]  # g's blob is gone
+    assert [r.sample_id for r in plan.redispatch] == ["h"] and [r.sample_id for r in plan.lost] == ["g"]  # g's blob is gone
     ledger.deleted(["x3"], [r.key for r in _refs("e", "f")])
-    assert recovery_plan(ledger.replay(), (0, 2)).lost == ["e", "f"]  # deleted under the later checkpoint (1, 3)
+    assert [r.sample_id for r in recovery_plan(ledger.replay(), (0, 2)).lost] == ["e", "f"]  # deleted under the later checkpoint (1, 3)
 
 
 def test_audit_passes_exactly_once_and_catches_duplicates_missing_and_leftovers(tmp_path):
