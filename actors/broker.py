@@ -202,6 +202,21 @@ class WindowQueue:
     def close(self) -> None:
         self.closed = True
 
+    def hold(self, refs: Iterable[SampleRef]) -> int:
+        """Count features an earlier run left in the store as in flight (a resumed stream).
+
+        Called before producers start, so they wait for this room too; the gang's ``rewind``
+        then re-queues the ones it re-dispatches and releases the ones its checkpoint holds.
+        """
+        held = 0
+        for ref in refs:
+            if ref.sample_id not in self.inflight:
+                self.inflight[ref.sample_id] = ref
+                self.inflight_bytes += ref.num_bytes
+                held += 1
+        self._track_peak()
+        return held
+
     def release(self, sample_ids: Iterable[str]) -> int:
         """Free the capacity of deleted features; unknown or already released ids are ignored."""
         freed = 0
@@ -386,6 +401,9 @@ class _SampleBroker:
     async def offer(self, refs: list[SampleRef], *, reserved_bytes: int) -> None:
         self._queue.offer(refs, reserved_bytes=reserved_bytes)
         await self._notify()
+
+    async def hold(self, refs: list[SampleRef]) -> int:
+        return self._queue.hold(refs)
 
     async def cancel(self, num_samples: int, num_bytes: int = 0) -> None:
         self._queue.cancel(num_samples, num_bytes)

@@ -112,7 +112,8 @@ class _Attempt:
 @dataclass(frozen=True)
 class _Job:
     batch: Batch
-    only: tuple[str, ...] | None = None  # a re-capture writes only these samples of the batch
+    only: tuple[str, ...] | None = None  # write only these samples of the batch (same forward, same bytes)
+    recapture: bool = False  # asked for with recapture(): not counted as new samples
 
 
 @dataclass
@@ -207,12 +208,17 @@ class CapturePool:
         only = tuple(only)
         if not only:
             raise ValueError(f"recapture of batch {batch[0]!r} names no samples")
-        self._recaptures.append(_Job((batch[0], list(batch[1])), only))
+        self._recaptures.append(_Job((batch[0], list(batch[1])), only, recapture=True))
 
-    def run(self, batches: Iterable[Batch], on_refs: Callable[[str, list[SampleRef]], None], *,
+    def run(self, batches: Iterable[Batch | tuple[str, list[RenderedSample], Iterable[str] | None]],
+            on_refs: Callable[[str, list[SampleRef]], None], *,
             admit: Callable[[Batch], None] | None = None, progress: bool = False,
             until: threading.Event | None = None) -> PoolStats:
         """Capture every batch; ``on_refs(batch_id, refs)`` once per batch, in completion order.
+
+        A batch may come as ``(batch_id, samples, only)``: the forward runs over all
+        ``samples`` (so each sample's bytes are those of that batch) and only the ``only``
+        sample ids are written, admitted and delivered.
 
         Queued re-captures go first. With ``until``, the run keeps serving re-captures after
         the last batch until the event is set (and nothing is outstanding).
@@ -260,19 +266,21 @@ class CapturePool:
         return job
 
     def _next(self, source: Iterator[Batch], admit: Callable[[Batch], None] | None, st: _RunState) -> _Job | None:
-        batch = next(source, None)
-        if batch is None:
+        item = next(source, None)
+        if item is None:
             return None
-        batch_id, samples = batch
+        batch_id, samples, *rest = item
+        only = tuple(rest[0]) if rest and rest[0] is not None else None
         if batch_id in st.seen:
             raise ValueError(f"batch id {batch_id!r} appears twice; batch ids must be unique within a run")
         if not samples:
             raise ValueError(f"batch {batch_id!r} has no samples")
         st.seen.add(batch_id)
         batch = (batch_id, list(samples))
-        if admit is not None:
-            self._while_polling(admit, batch, st)
-        return _Job(batch)
+        if admit is not None:  # admits what will be written
+            written = [s for s in batch[1] if only is None or s.sample_id in only]
+            self._while_polling(admit, (batch_id, written), st)
+        return _Job(batch, only)
 
     def _while_polling(self, fn: Callable[[Batch], None], batch: Batch, st: _RunState) -> None:
         """Call ``fn(batch)`` on a helper thread and keep delivering finished batches until it returns."""
@@ -351,7 +359,7 @@ class CapturePool:
         if batch_id in st.delivered:  # only one attempt is ever outstanding; guards the exactly-once promise
             return
         st.delivered.add(batch_id)
-        if attempt.job.only is not None:
+        if attempt.job.recapture:
             st.recaptured += len(refs)
             st.on_refs(batch_id, refs)
             return

@@ -121,7 +121,7 @@ def _cmd_pipeline(args: argparse.Namespace) -> int:
     from specray.pipeline.pipeline_job import run_pipeline
 
     cfg = load_config(PipelineConfig, args.manifest, args.overrides)
-    report, handle = run_pipeline(cfg, progress=not args.quiet)
+    report, handle = run_pipeline(cfg, progress=not args.quiet, resume=args.resume)
     print(report.table(), flush=True)
     if handle is None:
         return 0
@@ -259,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     pipeline_run = pipeline_sub.add_parser("run", help="run a pipeline manifest; writes runs/<name>/report.json")
     pipeline_run.add_argument("manifest", help="YAML pipeline manifest (e.g. manifests/quickstart.yaml)")
     pipeline_run.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    pipeline_run.add_argument("--resume", action="store_true",
+                              help="continue an interrupted run in its run dir (reuse a finished capture, resume "
+                                   "the trainer from its newest checkpoint and the ledger) instead of replacing it")
     pipeline_run.add_argument("overrides", nargs="*", metavar="section.field=value")
     pipeline_run.set_defaults(fn=_cmd_pipeline)
 

@@ -23,8 +23,17 @@ run dir: a rerun of the same name replaces it (a directory it did not make is re
 
 Resuming: a crashed trainer worker is restarted by Ray Train from the last checkpoint
 (``train.max_failures``) within the run, and the ledger makes that exactly-once. A crashed
-*driver* is not resumed by a rerun (which starts the run dir afresh); ``run_trainer_gang``
-with the same storage path and name resumes the gang itself (actors/trainer.py).
+*driver* (the process running this, killed with everything it started) is resumed by
+``specray pipeline run --resume MANIFEST``, which keeps the run dir:
+
+- offline: a complete capture (its manifest exists; it is written last) is reused, and the
+  trainer gang resumes from its newest checkpoint (same storage and name, actors/trainer.py);
+- online: the gang resumes from its newest checkpoint and re-dispatches every sample the
+  ledger says was dispatched outside that checkpoint's history (their features are read, or
+  captured again when gone); the producer captures only samples the ledger has never seen.
+  The audit at the end covers both runs: every sample trained exactly once;
+- export, serve and bench run again (the old export is replaced, the registry gets a new
+  version).
 """
 
 from __future__ import annotations
@@ -105,23 +114,28 @@ def _stage(report: PipelineReport, name: str, progress: bool):
     report.stage_seconds[name] = round(time.perf_counter() - start, 2)
 
 
-def run_pipeline(cfg: PipelineConfig, *, progress: bool = True) -> tuple[PipelineReport, object | None]:
-    """Run every stage; returns the report and, with ``serve.keep_running``, the live ServeHandle."""
+def run_pipeline(cfg: PipelineConfig, *, progress: bool = True, resume: bool = False) -> tuple[PipelineReport, object | None]:
+    """Run every stage; returns the report and, with ``serve.keep_running``, the live ServeHandle.
+
+    ``resume`` continues an interrupted run in its run dir (module docstring) instead of replacing it."""
     from specray.trainer.export import export_checkpoint
 
-    run_dir = _fresh_run_dir(cfg.run_dir)
+    run_dir = _resumed_run_dir(cfg.run_dir) if resume else _fresh_run_dir(cfg.run_dir)
     report = PipelineReport(cfg.name, cfg.mode, str(run_dir.resolve()))
     connect_ray(cfg)
     if cfg.mode == "offline":
         with _stage(report, "capture", progress):
-            manifest = _capture(cfg, report, progress)
+            manifest = _capture(cfg, report, progress, reuse=resume)
         with _stage(report, "train", progress):
             checkpoint = _train_offline(cfg, manifest, report, progress)
     else:
         with _stage(report, "capture+train", progress):  # they overlap: that is the point
             checkpoint = _train_online(cfg, report, progress)
     with _stage(report, "export", progress):
-        report.drafter_dir = str(export_checkpoint(checkpoint, run_dir / "exports" / "final").resolve())
+        export_dir = run_dir / "exports" / "final"
+        if export_dir.exists():  # a resumed run: the pipeline owns its exports, the new model replaces it
+            shutil.rmtree(export_dir)
+        report.drafter_dir = str(export_checkpoint(checkpoint, export_dir).resolve())
     handle = None
     if cfg.serve.enabled:
         with _stage(report, "serve", progress):
@@ -156,9 +170,23 @@ def _fresh_run_dir(run_dir: Path) -> Path:
     return run_dir
 
 
-def _capture(cfg: PipelineConfig, report: PipelineReport, progress: bool) -> str:
+def _resumed_run_dir(run_dir: Path) -> Path:
+    if not (run_dir / MARKER).exists():
+        raise FileNotFoundError(f"nothing to resume: {run_dir} is not a pipeline run dir (no {MARKER}); "
+                                "run without --resume to start the run")
+    return run_dir
+
+
+def _capture(cfg: PipelineConfig, report: PipelineReport, progress: bool, *, reuse: bool = False) -> str:
+    from specray.capture.store import read_manifest
     from specray.pipeline.capture_job import run_capture_on_ray
 
+    manifest = cfg.run_dir / "capture" / "manifest.parquet"
+    if reuse and manifest.exists():  # written last: its existence means the capture completed
+        refs = read_manifest(str(manifest)).refs
+        report.capture = {"samples": len(refs), "tokens": sum(r.num_tokens for r in refs), "manifest": str(manifest),
+                          "store": cfg.store_uri, "reused": True}
+        return str(manifest)
     summary = run_capture_on_ray(cfg.capture_job(), num_actors=cfg.capture.num_actors,
                                  num_cpus_per_actor=cfg.capture.num_cpus_per_actor, progress=progress)
     report.capture = {"samples": summary.samples, "tokens": summary.tokens, "tokens_per_s": round(summary.tokens_per_s, 1),
@@ -214,18 +242,25 @@ def _train_online(cfg: PipelineConfig, report: PipelineReport, progress: bool) -
     t, o = cfg.train, cfg.online
     window = t.num_workers * t.optim.micro_batch_size * t.optim.accumulation_steps
     steps = -(-len(plan.samples) // window)  # one pass: the stream is consume-once
+    storage = t.storage or str(cfg.run_dir / "ray-train")
+    ledger_uri = o.ledger or f"{storage.rstrip('/')}/{cfg.train_job(None).name}/ledger"
+    # Samples an earlier run of this stream dispatched are the gang's to re-dispatch (from the
+    # ledger, on resume); the producer captures only the ones never dispatched.
+    state = Ledger(ledger_uri).replay()
+    dispatched = {r.sample_id for refs in state.windows.values() for r in refs}
     train_job = cfg.train_job(None).model_copy(update={"optim": t.optim.model_copy(update={"total_steps": steps})})
     broker = start_sample_broker(window, max_inflight=o.max_inflight_samples, max_inflight_bytes=o.max_inflight_bytes,
                                  contract=plan.contract, store_uri=cfg.store_uri, endpoint_url=cfg.store.endpoint_url)
     pool = CapturePool(cfg.target.name, plan.contract, cfg.store_uri, endpoint_url=cfg.store.endpoint_url,
                        num_actors=cfg.capture.num_actors, num_cpus_per_actor=cfg.capture.num_cpus_per_actor,
                        target_dtype=cfg.target.dtype)
-    producer = _Producer(pool, broker, plan, progress)
+    if dispatched:
+        _adopt_leftovers(state, broker, pool.store)
+    producer = _Producer(pool, broker, plan, progress, skip=dispatched)
     try:
         producer.start()
-        result = run_trainer_gang(train_job, num_workers=t.num_workers,
-                                  storage_path=t.storage or str(cfg.run_dir / "ray-train"),
-                                  ledger_uri=o.ledger, broker=broker,
+        result = run_trainer_gang(train_job, num_workers=t.num_workers, storage_path=storage,
+                                  ledger_uri=ledger_uri, broker=broker,
                                   max_failures=t.max_failures, cpus_per_worker=t.cpus_per_worker)
         producer.check()
         stats = ray.get(broker.stats.remote(), timeout=60)
@@ -240,11 +275,33 @@ def _train_online(cfg: PipelineConfig, report: PipelineReport, progress: bool) -
         "audit": {"ok": checked.ok, "trained": checked.trained, "duplicates": len(checked.duplicates),
                   "missing": len(checked.missing), "leftover_features": len(checked.leftover_keys)},
         "peak_inflight_samples": stats["peak_inflight"], "bound": o.max_inflight_samples,
-        "capture": producer.stats, "ledger": result.ledger_uri,
+        "capture": producer.stats, "ledger": result.ledger_uri, "resumed_dispatched": len(dispatched),
     }
     if not checked.ok:
         raise RuntimeError(f"the online run's ledger audit failed: {checked.summary()}")
     return result.checkpoint
+
+
+def _adopt_leftovers(state, broker, store) -> None:
+    """Resuming a stream: count what the killed run left in the store against the bound.
+
+    The features the gang will re-dispatch or delete (outside / inside the newest
+    checkpoint's history) are held in the broker before the producer starts, so the bound
+    still holds; blobs the ledger never saw dispatched (captured, not yet in a window) are
+    deleted: the producer captures those samples again, under the bound.
+    """
+    import ray
+
+    from specray.trainer.ledger import recovery_plan, store_keys
+
+    last = state.last_checkpoint()
+    plan = recovery_plan(state, (last["attempt"], last["step"]) if last else None, recapture=True)
+    kept = {r.key: r for r in plan.redispatch} | {r.key: r for w in plan.delete_windows for r in state.windows[w]}
+    known = [r.key for refs in state.windows.values() for r in refs]
+    for key in store_keys(store, known=known):
+        if key not in kept:
+            store.delete(key)
+    ray.get(broker.hold.remote(list(kept.values())), timeout=60)
 
 
 class _Producer(threading.Thread):
@@ -256,7 +313,7 @@ class _Producer(threading.Thread):
     the last new batch until the gang is done (``stop``).
     """
 
-    def __init__(self, pool, broker, plan, progress: bool):
+    def __init__(self, pool, broker, plan, progress: bool, skip: set[str] = frozenset()):
         super().__init__(name="specray-producer", daemon=True)
         self.pool, self.broker, self.plan, self.progress = pool, broker, plan, progress
         self.stop = threading.Event()
@@ -264,6 +321,10 @@ class _Producer(threading.Thread):
         self.stats: dict | None = None
         self.reserved: dict[str, int] = {}
         self.batches = [(f"batch-{i:06d}", batch) for i, batch in enumerate(plan.batches)]
+        # Batches keep their composition across runs (a sample's bytes depend on its batch's
+        # padding); a resumed run writes only the samples no earlier run dispatched.
+        self.new = [(bid, batch, None if not skip else [s.sample_id for s in batch if s.sample_id not in skip])
+                    for bid, batch in self.batches if any(s.sample_id not in skip for s in batch)]
         self.batch_of = {s.sample_id: i for i, (_, batch) in enumerate(self.batches) for s in batch}
         self.recaptures = 0
         self.recaptured_samples = 0
@@ -314,7 +375,7 @@ class _Producer(threading.Thread):
         try:
             ray.get(self.broker.enable_recapture.remote(), timeout=60)
             watcher.start()
-            stats = self.pool.run(self.batches, self._deliver, admit=self._admit, progress=self.progress)
+            stats = self.pool.run(self.new, self._deliver, admit=self._admit, progress=self.progress)
             self.stats = {"batches": stats.batches, "samples": stats.samples, "tokens": stats.tokens,
                           "restarts": stats.restarts, "redispatched": stats.redispatched}
             ray.get(self.broker.close.remote(), timeout=60)

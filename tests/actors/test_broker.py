@@ -212,3 +212,15 @@ def test_actor_wakes_a_rank_waiting_for_a_recapture(ray_cluster):
     assert ray.get(waiting, timeout=30) is True
     assert ray.get(broker.wait_recaptured.remote(["b"], timeout=0), timeout=30) is True  # nothing asked
     ray.kill(broker)
+
+
+def test_hold_counts_a_resumed_streams_leftovers_until_rewind_sorts_them():
+    queue = WindowQueue(2, max_inflight=4)
+    assert queue.hold([_ref("a"), _ref("b"), _ref("c")]) == 3  # left in the store by a killed run
+    assert queue.hold([_ref("a")]) == 0
+    assert queue.fits(1, 0) and not queue.fits(2, 0)  # producers wait for that room too
+    # the gang resumes from a checkpoint holding "a": "b", "c" are re-dispatched, "a" is released
+    queue.rewind(1, quantum=2, world_size=1, step=4, redispatch=[_ref("b"), _ref("c")], history=["a"])
+    assert queue.stats()["inflight"] == 2 and queue.peak_samples == 3
+    ready, window = queue.try_window(1, 5)
+    assert ready and _ids(window) == ["b", "c"]

@@ -140,6 +140,43 @@ def test_online_ray_store_captures_features_lost_with_their_actor_again(ray_clus
     assert online["peak_inflight_samples"] <= 6
 
 
+def test_online_pipeline_resumes_after_its_driver_is_killed(ray_cluster, tmp_path):
+    """SIGKILL the driver after the first checkpoint; ``--resume`` finishes the stream exactly once."""
+    from specray.pipeline.pipeline_job import run_pipeline
+    from specray.trainer.ledger import Ledger
+
+    run_dir = tmp_path / "online"
+    overrides = [*TINY, "data.max_samples=40", "online.max_inflight_samples=6", "serve.enabled=false",
+                 "bench.enabled=false", f"output.run_dir={run_dir}"]
+    driver = subprocess.Popen(["specray", "pipeline", "run", "-q", "manifests/online.yaml", *overrides,
+                               f"ray.address={ray_cluster.address}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    ledger_dir = run_dir / "ray-train" / "online-train" / "ledger"  # made by the driver, read here
+    deadline = time.monotonic() + 300
+    try:
+        while not (ledger_dir.exists() and Ledger(str(ledger_dir)).replay().checkpoints):
+            assert driver.poll() is None, driver.stdout.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint within 300 s"
+            time.sleep(0.05)
+        driver.send_signal(signal.SIGKILL)
+    finally:
+        driver.kill()
+        driver.wait(timeout=60)
+    assert not (run_dir / "report.json").exists(), "the driver finished before it was killed: nothing was tested"
+    before = Ledger(str(ledger_dir)).replay()
+
+    cfg = load_config(PipelineConfig, "manifests/online.yaml", overrides)
+    report, _ = run_pipeline(cfg, progress=False, resume=True)
+    online = report.online
+    assert online["audit"] == {"ok": True, "trained": online["audit"]["trained"], "duplicates": 0, "missing": 0,
+                               "leftover_features": 0}
+    dispatched_before = {r.sample_id for refs in before.windows.values() for r in refs}
+    assert online["resumed_dispatched"] == len(dispatched_before) > 0
+    # the resumed producer captured only what the first driver never dispatched
+    assert online["capture"]["samples"] == online["audit"]["trained"] - len(dispatched_before)
+    assert len(Ledger(online["ledger"]).replay().attempts) >= 2  # the killed run's attempt and the resumed one
+    assert online["peak_inflight_samples"] <= 6
+
+
 def test_online_bound_below_a_checkpoint_interval_is_a_config_error():
     with pytest.raises(ConfigError, match=r"online.max_inflight_samples=3 cannot hold one checkpoint interval.*>= 4"):
         load_config(PipelineConfig, "manifests/online.yaml", ["online.max_inflight_samples=3",
