@@ -198,6 +198,8 @@ class DrafterSection(Section):
     attention: Literal["full", "sliding"] = Field("full", description="full: bidirectional in block; sliding: causal + window")
     sliding_window: int | None = Field(None, gt=0, description="context positions visible with attention=sliding")
     mask_token_id: int | None = Field(None, ge=0, description="MASK token (None = tokenizer's mask, else unk, else 0)")
+    init_from: str | None = Field(None, description="an export directory to start from (fine-tuning, e.g. on "
+                                                    "self-distilled data); its architecture must equal this section's")
 
     @field_validator("block_size")
     @classmethod

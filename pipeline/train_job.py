@@ -67,6 +67,22 @@ class RankParts:
     extra: dict  # carried by every checkpoint for export: algorithm, drafter config, contract, provenance
 
 
+def _init_from_export(model, model_cfg, export_dir: str, target: Target, contract: CaptureContract) -> None:
+    """Start ``model`` from an export's weights (fresh optimizer and schedule: a fine-tune, not a resume)."""
+    from specray.drafters.format import load_drafter
+
+    source = load_drafter(export_dir, embed_tokens=target.model.model.embed_tokens, lm_head=target.model.lm_head,
+                          target_fingerprint=target.target_fingerprint,
+                          template_fingerprint=target.template_fingerprint, contract=json.loads(contract.to_json()))
+    have, want = source.config.to_dict(), model_cfg.to_dict()
+    if have != want:
+        diffs = ", ".join(f"{k}: export {have.get(k)!r} vs config {want.get(k)!r}"
+                          for k in sorted(set(have) | set(want)) if have.get(k) != want.get(k))
+        raise ValueError(f"drafter.init_from={export_dir} has another architecture ({diffs}); set the drafter "
+                         "section to match the export")
+    model.load_state_dict(source.state_dict())
+
+
 def build_rank(cfg: TrainJobConfig, contract: CaptureContract, *, rank: int = 0, world_size: int = 1,
                provenance: dict | None = None) -> RankParts:
     """Target, drafter and TrainerCore of one rank, for features captured under ``contract``."""
@@ -82,6 +98,8 @@ def build_rank(cfg: TrainJobConfig, contract: CaptureContract, *, rank: int = 0,
     torch.manual_seed(cfg.optim.seed)  # identical initial weights on every rank
     model = strategy.build_model(model_cfg, embed_tokens=target.model.model.embed_tokens,
                                  lm_head=target.model.lm_head, final_norm=target.model.model.norm)
+    if cfg.drafter.init_from:
+        _init_from_export(model, model_cfg, cfg.drafter.init_from, target, contract)
     o = cfg.optim
     settings = OptimSettings(
         lr=o.lr, weight_decay=o.weight_decay, warmup_steps=o.warmup_steps, total_steps=o.total_steps,

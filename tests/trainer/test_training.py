@@ -125,6 +125,19 @@ def test_export_round_trip_and_fingerprint_check(manifest, tmp_path):
     trainer.loader.close()
 
 
+def test_init_from_an_export_starts_a_fine_tune_from_its_weights(manifest, tmp_path):
+    first = build_trainer(_cfg(manifest, tmp_path / "first", "optim.total_steps=3"))
+    first.fit(progress=False)
+    first.loader.close()
+    export = export_checkpoint(tmp_path / "first", tmp_path / "export")
+    tuned = build_trainer(_cfg(manifest, tmp_path / "tuned", f"drafter.init_from={export}"))
+    torch.testing.assert_close(tuned.core.model.state_dict(), first.core.model.state_dict(), rtol=0, atol=0)
+    assert tuned.core.scheduler.last_epoch == 0  # a fresh schedule: a fine-tune, not a resume
+    tuned.loader.close()
+    with pytest.raises(ValueError, match=r"another architecture \(num_layers: export 1 vs config 2\)"):
+        build_trainer(_cfg(manifest, tmp_path / "deeper", f"drafter.init_from={export}", "drafter.num_layers=2"))
+
+
 def test_evaluate_cli_reports_teacher_forced_metrics(manifest, tmp_path, capsys):
     from specray.pipeline.cli import main
 
