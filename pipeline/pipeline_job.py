@@ -384,8 +384,12 @@ class _Producer(threading.Thread):
         except BaseException as e:  # noqa: BLE001 - re-raised in the driver by check()
             self.error = e
             # End the stream so the gang finishes what it has instead of waiting forever;
-            # check() then fails the run with this error.
-            ray.get(self.broker.close.remote(), timeout=60)
+            # check() then fails the run with this error. (When the driver tore the run
+            # down first, the broker is gone already: nothing left to tell.)
+            try:
+                ray.get(self.broker.close.remote(), timeout=60)
+            except ray.exceptions.RayActorError:
+                pass
         finally:
             self.stop.set()
             if watcher.is_alive():
