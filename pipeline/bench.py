@@ -311,9 +311,11 @@ def bench_serve(*, target_name: str, drafter_dir: str | None, dataset: str, num_
     def chunked(batch: int) -> list[list[list[int]]]:
         return [encoded[i : i + batch] for i in range(0, len(encoded), batch)]
 
-    runs, outputs = [], {}
+    runs, outputs, phases = [], {}, None
     for batch in batch_sizes:
         systems = {name: _engine_system(engine, chunked(batch), params) for name, engine in engines.items()}
+        if drafter_dir and batch == batch_sizes[0]:
+            engines["specray-dflash"].worker.reset_timing()
         if transformers:
             systems["hf-generate"] = _hf_system(target, chunked(batch), max_tokens)
         if transformers and batch == 1:  # transformers' assisted generation runs at batch 1 only
@@ -321,6 +323,9 @@ def bench_serve(*, target_name: str, drafter_dir: str | None, dataset: str, num_
         for name, (seconds, out) in _timed(systems, repeats).items():
             runs.append(_run_entry(name, batch, seconds, out))
             outputs[(name, batch)] = out
+        if drafter_dir and batch == batch_sizes[0]:
+            run = next(r for r in runs if (r["system"], r["batch_size"]) == ("specray-dflash", batch))
+            phases = _round_phases(engines["specray-dflash"].worker, repeats, run["seconds"])
     vllm_info = {"available": importlib.util.find_spec("vllm") is not None, "skipped": not vllm}
     if vllm and vllm_info["available"]:
         vllm_runs, vllm_outputs, details = _bench_vllm(
@@ -339,7 +344,21 @@ def bench_serve(*, target_name: str, drafter_dir: str | None, dataset: str, num_
     result.update(_serve_speedups(runs, outputs, vllm_info, batch_sizes[0]))
     if drafter_dir:
         result.update(_speculative_summary(engines, outputs, runs, batch_sizes[0], result["speedup_ar_vs_vllm_ar"], png))
+        result["round_ms"] = phases
     return result
+
+
+def _round_phases(worker, repeats: int, run_seconds: float) -> dict:
+    """Where a DFlash round's time goes at the first batch size, in ms per round (``step`` call).
+
+    ``draft`` (the drafter's block forward and sampling), ``verify`` (the target forward over
+    the block), ``accept`` (rejection sampling), ``commit`` (KV commits and the drafter's
+    context K/V of the accepted rows), and ``other``: the run's wall time per round minus those
+    (scheduling, prefill, stop checks, detokenisation)."""
+    steps = worker.steps / repeats  # rounds in one timed run
+    phases = {name: 1000 * seconds / worker.steps for name, seconds in worker.phase_seconds.items()}
+    wall = 1000 * run_seconds / steps  # the median run's wall time per round
+    return {**phases, "other": wall - sum(phases.values()), "wall": wall}
 
 
 def _tps(runs: list[dict], system: str, batch: int) -> float | None:
@@ -487,6 +506,7 @@ def serve_table(result: dict) -> str:
                      f"{result['speedup_vs_hf_generate']:.2f}x; bound ratio {result['bound_ratio']:.2f}; "
                      f"greedy match {result['greedy_match']:.2f}")
         lines.append("accept by position " + " ".join(f"{a:.2f}" for a in result["accept_rate_by_pos"]))
+        lines.append("ms per DFlash round: " + ", ".join(f"{k} {v:.1f}" for k, v in result["round_ms"].items()))
     vllm = result["vllm"]
     if "version" in vllm:
         lines.append(f"vLLM {vllm['version']} ({vllm['mode']}): specray AR vs vLLM AR "

@@ -16,6 +16,8 @@ Rejected rows stay as uncommitted scratch and are never read again.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from specray.drafters.dflash import DFlashDrafter, block_attention_mask
@@ -36,6 +38,12 @@ class DFlashWorker:
                                    num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                                    dtype=drafter.fc.weight.dtype)
         self.block_size = cfg.block_size
+        self.reset_timing()
+
+    def reset_timing(self) -> None:
+        """Zero the per-phase wall-clock totals of ``step`` (``phase_seconds``, ``steps``)."""
+        self.phase_seconds = {"draft": 0.0, "verify": 0.0, "accept": 0.0, "commit": 0.0}
+        self.steps = 0
 
     @property
     def rows_per_round(self) -> int:  # target rows verified per round (capacity planning)
@@ -86,11 +94,16 @@ class DFlashWorker:
         return torch.stack(drafts), qs
 
     def step(self, slots: list[int], anchors: list[int], params, generators) -> list[list[int]]:
-        """One propose → verify → accept → commit round; returns the emitted tokens per request."""
+        """One propose → verify → accept → commit round; returns the emitted tokens per request.
+
+        Wall-clock time per phase accumulates in ``phase_seconds`` (what ``bench serve`` reports)."""
+        t0 = time.perf_counter()
         drafts, qs = self.propose(slots, anchors, params, generators)
         verify_ids = torch.cat([torch.tensor(anchors)[:, None], drafts], dim=1)  # [B, m + 1]
         B, M = verify_ids.shape
+        t1 = time.perf_counter()
         out = self.runner.forward(verify_ids, torch.tensor(slots), torch.full((B,), M))
+        t2 = time.perf_counter()
         emitted, accepted_rows = [], []
         for b, p in enumerate(params):
             target = out.logits[b : b + 1].softmax(-1) if p.greedy else process(out.logits[b : b + 1], p)
@@ -101,8 +114,13 @@ class DFlashWorker:
             k = int(count[0])  # r + 1 tokens emitted, r drafts accepted
             emitted.append(tokens[0, :k].tolist())
             accepted_rows.append(k)  # commit [a, d1 … dr]: r + 1 rows
+        t3 = time.perf_counter()
         for slot, rows in zip(slots, accepted_rows):
             self.runner.cache.commit(slot, rows)
         self._commit_context(slots, out.hidden, accepted_rows)
+        t4 = time.perf_counter()
+        for phase, seconds in zip(self.phase_seconds, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            self.phase_seconds[phase] += seconds
+        self.steps += 1
         return emitted
 

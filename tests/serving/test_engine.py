@@ -193,4 +193,9 @@ def test_bench_serve_writes_json_and_plot(debug_target, random_drafter, tmp_path
         assert result[key] is not None
     assert result["speedup_vs_vllm_ar"] is None and result["greedy_match"] == 1.0
     assert len(result["accept_rate_by_pos"]) == 3 and (tmp_path / "a.png").exists()
-    assert "tau" in capsys.readouterr().out
+    phases = result["round_ms"]  # where a round's time goes, at batch 1
+    assert set(phases) == {"draft", "verify", "accept", "commit", "other", "wall"}
+    assert all(phases[k] > 0 for k in ("draft", "verify", "accept", "commit", "wall"))
+    assert sum(phases[k] for k in ("draft", "verify", "accept", "commit")) <= phases["wall"]
+    out = capsys.readouterr().out
+    assert "tau" in out and "ms per DFlash round: draft" in out
