@@ -155,7 +155,8 @@ def _connect(address: str | None, num_cpus: int | None) -> None:
     if address:
         ray.init(address=address, log_to_driver=False)
     else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 log_to_driver=False)  # "local": a new cluster even if a head node (`ray start`) runs here
 
 
 def _wait_ready(url: str, timeout_s: float) -> None:

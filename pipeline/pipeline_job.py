@@ -100,8 +100,8 @@ def connect_ray(cfg: PipelineConfig) -> None:
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=False)
-    else:
-        ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+    else:  # "local": start one, even when a head node (`ray start`) runs on this machine
+        ray.init(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
                  runtime_env=env, log_to_driver=False)
 
 

@@ -125,8 +125,8 @@ def ray_cluster(tmp_path_factory):
     port = free_port()
     env = {"TRITON_INTERPRET": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.update({k: os.environ[k] for k in ("SPECRAY_CACHE", "SPECRAY_S3_ENDPOINT") if k in os.environ})
-    context = ray.init(
-        num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port,
+    context = ray.init(  # address="local": a new cluster, even if a head node (`ray start`) runs here
+        address="local", num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port,
         _node_ip_address="127.0.0.1", log_to_driver=False,
         runtime_env={"env_vars": env},
     )
