@@ -277,7 +277,22 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden.to(self.lm_head.weight.dtype))
+        """The shared LM head over [..., D] -> [..., V].
+
+        Serving drafts a few rows (B × m): there, on CPU, ``x @ Wᵀ`` for the [V, D] head runs
+        through a slow small-M path (35 ms for 7 rows of SmolLM2's 49,152 × 576 head, against
+        8 ms for ``(W @ xᵀ)ᵀ``, the layout ``serving/runner.py`` uses too). Inference with at
+        most 64 rows takes that layout; training keeps ``nn.Linear`` (bit-identical gradients).
+        """
+        h = hidden.to(self.lm_head.weight.dtype)
+        flat = h.reshape(-1, h.shape[-1])
+        if flat.shape[0] <= 64 and not torch.is_grad_enabled():
+            out = (self.lm_head.weight @ flat.T).T
+            if self.lm_head.bias is not None:
+                out = out + self.lm_head.bias
+        else:
+            out = self.lm_head(flat)
+        return out.reshape(*h.shape[:-1], out.shape[-1])
 
     def forward(self, hidden_states, context_valid, anchor_ids, anchors) -> torch.Tensor:
         """Training forward over many blocks per sequence.

@@ -145,3 +145,16 @@ def test_drafter_finds_the_anchor_through_a_long_context():
             correct += float(metrics["correct"][0])
             count += float(metrics["count"][0])
     assert correct / count > 0.8
+
+
+def test_inference_logits_of_a_few_rows_equal_the_linear_heads():
+    model = _drafter()
+    hidden = torch.randn(2, 3, D)
+    with torch.no_grad():
+        fast = model.logits(hidden)  # <= 64 rows without grad: the (W @ xᵀ)ᵀ layout
+    slow = model.lm_head(hidden)
+    assert fast.shape == (2, 3, V)
+    torch.testing.assert_close(fast, slow.detach(), rtol=1e-5, atol=1e-5)
+    with_grad = model.logits(hidden)  # training: nn.Linear itself, bit for bit, differentiable
+    assert with_grad.requires_grad
+    torch.testing.assert_close(with_grad, slow, rtol=0, atol=0)
