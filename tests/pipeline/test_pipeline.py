@@ -61,27 +61,36 @@ def _kill_one_capture_actor(address: str, done: threading.Event, killed: list) -
         time.sleep(0.2)
 
 
-def test_online_pipeline_survives_a_killed_capture_actor(ray_cluster, tmp_path):
+def _run_while_killing(cfg, kill, *args):
+    """run_pipeline(cfg) while ``kill(*args, done, killed)`` runs on a thread; (report, handle, killed pids)."""
     from specray.pipeline.pipeline_job import run_pipeline
 
-    cfg = load_config(PipelineConfig, "manifests/online.yaml", [
-        *TINY, "data.max_samples=16", "capture.num_actors=2", "online.max_inflight_samples=6",
-        "serve.enabled=false", "bench.enabled=false", f"output.run_dir={tmp_path / 'online'}",
-    ])
     done, killed = threading.Event(), []
-    killer = threading.Thread(target=_kill_one_capture_actor, args=(ray_cluster.dashboard_url, done, killed),
-                              daemon=True)
+    killer = threading.Thread(target=kill, args=(*args, done, killed), daemon=True)
     killer.start()
     try:
         report, handle = run_pipeline(cfg, progress=False)
     finally:
         done.set()
         killer.join(timeout=30)
-    assert handle is None
     assert killed, "no capture actor was killed: the test did not test anything"
-    online = report.online
+    return report, handle
+
+
+def _assert_exactly_once(online: dict) -> None:
     assert online["audit"] == {"ok": True, "trained": online["audit"]["trained"], "duplicates": 0, "missing": 0,
                                "leftover_features": 0}
+
+
+def test_online_pipeline_survives_a_killed_capture_actor(ray_cluster, tmp_path):
+    cfg = load_config(PipelineConfig, "manifests/online.yaml", [
+        *TINY, "data.max_samples=16", "capture.num_actors=2", "online.max_inflight_samples=6",
+        "serve.enabled=false", "bench.enabled=false", f"output.run_dir={tmp_path / 'online'}",
+    ])
+    report, handle = _run_while_killing(cfg, _kill_one_capture_actor, ray_cluster.dashboard_url)
+    assert handle is None
+    online = report.online
+    _assert_exactly_once(online)
     assert online["audit"]["trained"] == online["capture"]["samples"] > 0
     assert online["peak_inflight_samples"] <= 6
     # Whether the kill caught a batch in flight (re-dispatched, counted in restarts) or an idle
@@ -113,28 +122,16 @@ def test_online_ray_store_captures_features_lost_with_their_actor_again(ray_clus
     """A ray:// blob dies with the actor that owns it: the gang asks, the producer captures it again."""
     import uuid
 
-    from specray.pipeline.pipeline_job import run_pipeline
-
     name = f"online-{uuid.uuid4().hex[:8]}"
     cfg = load_config(PipelineConfig, "manifests/online.yaml", [
         *TINY, "data.max_samples=16", "capture.num_actors=1", "online.max_inflight_samples=6",
         f"store.uri=ray://{name}", "serve.enabled=false", "bench.enabled=false",
         f"output.run_dir={tmp_path / 'online'}",
     ])
-    done, killed = threading.Event(), []
     # The bound lets the one actor write 6 blobs before the gang (seconds to start) trains any.
-    killer = threading.Thread(target=_kill_capture_actor_once_it_owns,
-                              args=(name, 4, ray_cluster.dashboard_url, done, killed), daemon=True)
-    killer.start()
-    try:
-        report, _ = run_pipeline(cfg, progress=False)
-    finally:
-        done.set()
-        killer.join(timeout=30)
-    assert killed, "no capture actor was killed: the test did not test anything"
+    report, _ = _run_while_killing(cfg, _kill_capture_actor_once_it_owns, name, 4, ray_cluster.dashboard_url)
     online = report.online
-    assert online["audit"] == {"ok": True, "trained": online["audit"]["trained"], "duplicates": 0, "missing": 0,
-                               "leftover_features": 0}
+    _assert_exactly_once(online)
     assert online["audit"]["trained"] == online["capture"]["samples"] > 0
     assert online["capture"]["recaptured_samples"] > 0  # what the kill took was captured again
     assert online["peak_inflight_samples"] <= 6
@@ -167,8 +164,7 @@ def test_online_pipeline_resumes_after_its_driver_is_killed(ray_cluster, tmp_pat
     cfg = load_config(PipelineConfig, "manifests/online.yaml", overrides)
     report, _ = run_pipeline(cfg, progress=False, resume=True)
     online = report.online
-    assert online["audit"] == {"ok": True, "trained": online["audit"]["trained"], "duplicates": 0, "missing": 0,
-                               "leftover_features": 0}
+    _assert_exactly_once(online)
     dispatched_before = {r.sample_id for refs in before.windows.values() for r in refs}
     assert online["resumed_dispatched"] == len(dispatched_before) > 0
     # the resumed producer captured only what the first driver never dispatched
