@@ -243,12 +243,12 @@ def _train_online(cfg: PipelineConfig, report: PipelineReport, progress: bool) -
     window = t.num_workers * t.optim.micro_batch_size * t.optim.accumulation_steps
     steps = -(-len(plan.samples) // window)  # one pass: the stream is consume-once
     storage = t.storage or str(cfg.run_dir / "ray-train")
-    ledger_uri = o.ledger or f"{storage.rstrip('/')}/{cfg.train_job(None).name}/ledger"
+    train_job = cfg.train_job(None).model_copy(update={"optim": t.optim.model_copy(update={"total_steps": steps})})
+    ledger_uri = o.ledger or f"{storage.rstrip('/')}/{train_job.name}/ledger"
     # Samples an earlier run of this stream dispatched are the gang's to re-dispatch (from the
     # ledger, on resume); the producer captures only the ones never dispatched.
     state = Ledger(ledger_uri).replay()
     dispatched = {r.sample_id for refs in state.windows.values() for r in refs}
-    train_job = cfg.train_job(None).model_copy(update={"optim": t.optim.model_copy(update={"total_steps": steps})})
     broker = start_sample_broker(window, max_inflight=o.max_inflight_samples, max_inflight_bytes=o.max_inflight_bytes,
                                  contract=plan.contract, store_uri=cfg.store_uri, endpoint_url=cfg.store.endpoint_url)
     pool = CapturePool(cfg.target.name, plan.contract, cfg.store_uri, endpoint_url=cfg.store.endpoint_url,
