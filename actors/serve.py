@@ -60,6 +60,7 @@ class ReplicaSpec:
     cache_dir: str  # absolute; pulled versions
     num_threads: int | None
     api_key: str | None
+    num_speculative_tokens: int | None = None
 
 
 def _absolute_uri(uri: str) -> str:
@@ -79,6 +80,7 @@ def replica_spec(cfg: ServeJobConfig, api_key: str | None) -> ReplicaSpec:
         registry_endpoint_url=cfg.registry.endpoint_url, poll_interval_s=cfg.registry.poll_interval_s,
         cache_dir=str(Path(cfg.registry.cache_dir or cfg.run_dir / "drafter-cache").resolve()),
         num_threads=cfg.engine.num_threads, api_key=api_key,
+        num_speculative_tokens=cfg.engine.num_speculative_tokens,
     )
 
 
@@ -93,7 +95,8 @@ class SpecrayReplica:
         self.spec = spec
         self.replica = serve.get_replica_context().replica_id.unique_id
         target = load_target(spec.target, dtype=spec.dtype, device=spec.device)
-        self.engine = Engine(target, spec.drafter_dir, max_batch=spec.max_batch, max_len=spec.max_len)
+        self.engine = Engine(target, spec.drafter_dir, max_batch=spec.max_batch, max_len=spec.max_len,
+                             num_speculative_tokens=spec.num_speculative_tokens)
         self.loop = EngineLoop(self.engine).start()
         self.poller = None
         if spec.registry_uri:

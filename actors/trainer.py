@@ -85,7 +85,7 @@ from specray.actors.broker import Window
 from specray.capture.contract import CaptureContract
 from specray.capture.store import FeatureNotFoundError, SampleRef, open_store, read_manifest
 from specray.pipeline.config import TrainJobConfig
-from specray.pipeline.train_job import build_rank
+from specray.pipeline.train_job import build_rank, prepare_draft_vocab
 from specray.trainer.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
 from specray.trainer.ledger import Ledger, LedgerState, recovery_plan
 from specray.trainer.loader import FeatureLoader, TrainBatch, collate
@@ -240,7 +240,8 @@ class _GangRank:
             contract = manifest.contract
             self.store = open_store(manifest.store_uri, endpoint_url=cfg.data.endpoint_url)
             provenance = {"manifest": cfg.data.manifest, "samples": len(manifest.refs)}
-        parts = build_rank(cfg, contract, rank=rank, world_size=world_size, provenance=provenance)
+        parts = build_rank(cfg, contract, rank=rank, world_size=world_size, provenance=provenance,
+                           draft_vocab=None if self.online else prepare_draft_vocab(cfg, manifest, self.store))
         if self.online:  # FeatureLoader checks a manifest's contract itself
             parts.expected.check_compatible(contract, what="the stream's features")
         self.core, self.extra = parts.core, parts.extra

@@ -33,6 +33,16 @@ function of the anchor, a 1-layer drafter reaches 50 % position-1 accuracy in 30
 at 16. The bias only re-weights keys the mask already allows, so the context rule
 (``k < anchor``) and the block rule are unchanged.
 
+**Draft vocabulary (EAGLE-3's d2t, optional).** With ``draft_vocab_size = V_d`` the drafter
+predicts over only ``V_d`` target tokens — the most frequent supervised tokens of the training
+data (``trainer/vocab.py``) — whose ids, ascending, are the ``draft_vocab`` buffer (saved in the
+export). The LM head is the same frozen target head restricted to those rows, so the drafter
+still owns no vocabulary weights; training and drafting cost ``V_d / V`` of the full head, the
+part that dominates a small drafter on CPU. A draft token is always a target id
+(``draft_to_target``), and a sampled draft's ``q`` is given to verification over the whole
+target vocabulary, zero outside the draft vocabulary (``to_target_distribution``), so
+verification stays lossless: tokens outside the draft vocabulary are simply never proposed.
+
 The same module serves training (many blocks per sequence, ``forward``) and serving (one block
 per request over cached context K/V, ``context_kv`` + ``forward_block``).
 
@@ -69,6 +79,7 @@ class DFlashConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     block_key_bias: float = 4.0  # initial value of the learned per-head logit bias on in-block keys
+    draft_vocab_size: int | None = None  # V_d: draft over the V_d most frequent answer tokens (None = all V)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))
@@ -84,6 +95,9 @@ class DFlashConfig:
             raise ValueError(f"attention must be 'full' or 'sliding', got {self.attention!r}")
         if self.attention == "sliding" and not (self.sliding_window and self.sliding_window > 0):
             raise ValueError("attention='sliding' needs a positive sliding_window (context positions visible)")
+        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}] (the target's vocabulary) or None, "
+                             f"got {self.draft_vocab_size}")
 
     @property
     def num_draft_tokens(self) -> int:  # m
@@ -216,6 +230,18 @@ def block_attention_mask(
     return mask
 
 
+def check_draft_vocab(ids: torch.Tensor, config: DFlashConfig) -> None:
+    """Raise ValueError unless ``ids`` are ``draft_vocab_size`` distinct ascending ids in [0, V)."""
+    if config.draft_vocab_size is None:
+        raise ValueError("this drafter has no draft vocabulary (draft_vocab_size is None)")
+    if ids.ndim != 1 or len(ids) != config.draft_vocab_size:
+        raise ValueError(f"the draft vocabulary needs {config.draft_vocab_size} token ids, got shape {tuple(ids.shape)}")
+    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size):
+        raise ValueError(f"draft vocabulary ids must be in [0, {config.vocab_size}), got [{int(ids.min())}, {int(ids.max())}]")
+    if len(ids) > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        raise ValueError("draft vocabulary ids must be distinct and ascending")
+
+
 class DFlashDrafter(nn.Module):
     """The DFlash draft model; ``embed_tokens`` and ``lm_head`` are the target's (frozen, shared)."""
 
@@ -237,6 +263,10 @@ class DFlashDrafter(nn.Module):
         self._init_weights()
         # A tuple hides the shared modules from nn.Module: not parameters, not in state_dict.
         self._target_modules = (embed_tokens, lm_head)
+        # The draft vocabulary (target ids, ascending) is part of the export; set by set_draft_vocab.
+        V_d = config.draft_vocab_size
+        self.register_buffer("draft_vocab", None if V_d is None else torch.arange(V_d), persistent=True)
+        self._head_cache: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
 
     def _init_weights(self) -> None:
         for module in self.modules():
@@ -254,6 +284,48 @@ class DFlashDrafter(nn.Module):
     @property
     def lm_head(self) -> nn.Linear:
         return self._target_modules[1]
+
+    def validate_state(self) -> None:
+        """Raise ValueError if loaded state is inconsistent with the config (a bad draft vocabulary)."""
+        if self.draft_vocab is not None:
+            check_draft_vocab(self.draft_vocab, self.config)
+
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """Install the draft vocabulary: ``draft_vocab_size`` distinct target token ids."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().sort().values
+        check_draft_vocab(ids, self.config)
+        self.draft_vocab.copy_(ids)
+
+    def _head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The LM head rows the drafter predicts over: all V, or the draft vocabulary's V_d (cached)."""
+        weight, bias = self.lm_head.weight, self.lm_head.bias
+        if self.draft_vocab is None:
+            return weight, bias
+        key = (self.draft_vocab.data_ptr(), self.draft_vocab._version, weight.data_ptr(), weight._version)
+        if self._head_cache is None or self._head_cache[0] != key:
+            rows = weight.detach()[self.draft_vocab]  # frozen, so a copy is exact
+            self._head_cache = (key, rows, None if bias is None else bias.detach()[self.draft_vocab])
+        return self._head_cache[1], self._head_cache[2]
+
+    def target_to_draft(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary index of each target token id, −1 where it is not in the draft vocabulary."""
+        if self.draft_vocab is None:
+            return token_ids
+        lookup = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=token_ids.device)
+        lookup[self.draft_vocab] = torch.arange(len(self.draft_vocab), device=token_ids.device)
+        return lookup[token_ids]
+
+    def draft_to_target(self, index: torch.Tensor) -> torch.Tensor:
+        """Target token ids of draft-vocabulary indices (the identity without a draft vocabulary)."""
+        return index if self.draft_vocab is None else self.draft_vocab[index]
+
+    def to_target_distribution(self, q: torch.Tensor) -> torch.Tensor:
+        """A distribution over the draft vocabulary [..., V_d] as one over the target's [..., V] (zeros outside)."""
+        if self.draft_vocab is None:
+            return q
+        full = q.new_zeros(*q.shape[:-1], self.config.vocab_size)
+        full[..., self.draft_vocab] = q
+        return full
 
     def project_context(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Target features [Bt, S, L·D] -> context C [Bt, S, D]."""
@@ -277,21 +349,22 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The shared LM head over [..., D] -> [..., V].
+        """The shared LM head over [..., D] -> [..., V], or [..., V_d] over the draft vocabulary's rows.
 
         Serving drafts a few rows (B × m): there, on CPU, ``x @ Wᵀ`` for the [V, D] head runs
         through a slow small-M path (35 ms for 7 rows of SmolLM2's 49,152 × 576 head, against
         8 ms for ``(W @ xᵀ)ᵀ``, the layout ``serving/runner.py`` uses too). Inference with at
         most 64 rows takes that layout; training keeps ``nn.Linear`` (bit-identical gradients).
         """
-        h = hidden.to(self.lm_head.weight.dtype)
+        weight, bias = self._head()
+        h = hidden.to(weight.dtype)
         flat = h.reshape(-1, h.shape[-1])
         if flat.shape[0] <= 64 and not torch.is_grad_enabled():
-            out = (self.lm_head.weight @ flat.T).T
-            if self.lm_head.bias is not None:
-                out = out + self.lm_head.bias
+            out = (weight @ flat.T).T
+            if bias is not None:
+                out = out + bias
         else:
-            out = self.lm_head(flat)
+            out = F.linear(flat, weight, bias)
         return out.reshape(*h.shape[:-1], out.shape[-1])
 
     def forward(self, hidden_states, context_valid, anchor_ids, anchors) -> torch.Tensor:
@@ -299,7 +372,7 @@ class DFlashDrafter(nn.Module):
 
         hidden_states [Bt, S, L·D] target features; context_valid [Bt, S] bool; anchor_ids
         [Bt, N] the tokens at the anchors; anchors [Bt, N] their positions (−1 = unused slot).
-        Returns logits [Bt, N, B − 1, V]: entry ``j − 1`` of block n predicts token ``anchor + j``
+        Returns logits [Bt, N, B − 1, V] (V_d with a draft vocabulary): entry ``j − 1`` of block n predicts token ``anchor + j``
         (the anchor row predicts nothing in DFlash, so the LM head skips it).
         """
         Bt, S, _ = hidden_states.shape

@@ -123,4 +123,9 @@ def load_drafter(
         wrong = sorted(k for k in set(expected_shapes) & set(got_shapes) if expected_shapes[k] != got_shapes[k])
         raise InvalidDrafterError(f"{path}: weights do not fit the architecture (missing {missing}, extra {extra}, wrong shape {wrong})")
     model.load_state_dict(state)
+    if hasattr(model, "validate_state"):
+        try:
+            model.validate_state()
+        except ValueError as e:
+            raise InvalidDrafterError(f"{path}: {e}") from None
     return model.eval().requires_grad_(False)

@@ -286,7 +286,7 @@ def _mismatches(a: _Generated, b: _Generated) -> int:
 
 def bench_serve(*, target_name: str, drafter_dir: str | None, dataset: str, num_prompts: int, max_tokens: int,
                 batch_sizes: tuple[int, ...] = (1, 4), png: str | None = None, repeats: int = 1,
-                vllm: bool = True, transformers: bool = True) -> dict:
+                vllm: bool = True, transformers: bool = True, num_speculative_tokens: int | None = None) -> dict:
     """Ours (AR, DFlash) vs transformers generate / prompt lookup, then vLLM when importable.
 
     ``transformers=False`` / ``vllm=False`` skip those peers (the pipeline's bench stage
@@ -300,7 +300,8 @@ def bench_serve(*, target_name: str, drafter_dir: str | None, dataset: str, num_
     target = load_target(target_name)
     engines = {"specray-ar": Engine(target, None, max_batch=max(batch_sizes))}
     if drafter_dir:
-        engines["specray-dflash"] = Engine(target, drafter_dir, max_batch=max(batch_sizes))
+        engines["specray-dflash"] = Engine(target, drafter_dir, max_batch=max(batch_sizes),
+                                           num_speculative_tokens=num_speculative_tokens)
     encoded = [engines["specray-ar"].encode(c.as_chat()) for c in load_conversations(dataset, purpose="eval", limit=num_prompts)]
     params = SamplingParams(max_tokens=max_tokens)
     for engine in engines.values():  # warm-up: allocator, thread pools, first-call paths
@@ -343,6 +344,7 @@ def bench_serve(*, target_name: str, drafter_dir: str | None, dataset: str, num_
               "vllm_available": vllm_info["available"], "vllm": vllm_info, "environment": _environment()}
     result.update(_serve_speedups(runs, outputs, vllm_info, batch_sizes[0]))
     if drafter_dir:
+        result["num_speculative_tokens"] = engines["specray-dflash"].worker.num_draft_tokens
         result.update(_speculative_summary(engines, outputs, runs, batch_sizes[0], result["speedup_ar_vs_vllm_ar"], png))
         result["round_ms"] = phases
     return result
@@ -385,7 +387,7 @@ def _speculative_summary(engines: dict, outputs: dict, runs: list[dict], batch: 
                          png: str | None) -> dict:
     """tau, acceptance by position, speedups and the bound ratio of our DFlash run at ``batch``."""
     dflash, ar = outputs[("specray-dflash", batch)], outputs[("specray-ar", batch)]
-    m = engines["specray-dflash"].drafter.config.block_size - 1
+    m = engines["specray-dflash"].worker.num_draft_tokens  # drafts verified per round
     accept = [sum(k - 1 >= j for k in dflash.rounds) / len(dflash.rounds) for j in range(1, m + 1)]
     runner = engines["specray-ar"].runner
     t1, tB = _step_time(runner, 1), _step_time(runner, m + 1)

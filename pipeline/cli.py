@@ -66,7 +66,8 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
                              num_anchors=args.num_anchors)
     acc = " ".join(f"{a:.3f}" for a in result["acc_by_pos"])
     print(f"samples    {result['samples']} ({result['blocks']} blocks)\nloss       {result['loss']:.4f}\n"
-          f"acc by pos {acc}\ntau_tf     {result['tau_tf']:.3f}")
+          f"acc by pos {acc}\ntau_tf     {result['tau_tf']:.3f}\ncoverage   {result['coverage']:.3f} "
+          "(labels inside the drafter's vocabulary)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
@@ -82,7 +83,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
-    engine = Engine(load_target(args.target), args.drafter, max_batch=max(1, len(args.prompt)), max_len=args.max_len)
+    engine = Engine(load_target(args.target), args.drafter, max_batch=max(1, len(args.prompt)), max_len=args.max_len,
+                    num_speculative_tokens=args.num_speculative_tokens)
     start = time.perf_counter()
     outputs = engine.generate(args.prompt, params)
     seconds = time.perf_counter() - start
@@ -193,7 +195,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         result = bench.bench_serve(target_name=args.target, drafter_dir=args.drafter, dataset=args.dataset,
                                    num_prompts=args.num_prompts, max_tokens=args.max_tokens,
                                    batch_sizes=tuple(args.batch_sizes), png=args.png, repeats=args.repeats,
-                                   vllm=not args.no_vllm)
+                                   vllm=not args.no_vllm, num_speculative_tokens=args.num_speculative_tokens)
         table = bench.serve_table(result)
     elif args.benchmark == "capture":
         cfg = load_config(CaptureJobConfig, args.config, bench.BENCH_CAPTURE_DEFAULTS + args.overrides)
@@ -252,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=0)
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--max-len", type=int, default=2048, help="KV capacity per request")
+    generate.add_argument("--num-speculative-tokens", type=int, default=None,
+                          help="at most this many drafts verified per round (default: the drafter's block size - 1)")
     generate.set_defaults(fn=_cmd_generate)
 
     pipeline = sub.add_parser("pipeline", help="the whole pipeline on Ray: capture, train, export, serve, bench")
@@ -309,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_argument("--png", default=None, help="acceptance-by-position plot")
     bench_serve.add_argument("--repeats", type=int, default=1, help="timed passes per system (median; order alternates)")
     bench_serve.add_argument("--no-vllm", action="store_true", help="skip the vLLM runs even when vllm is importable")
+    bench_serve.add_argument("--num-speculative-tokens", type=int, default=None,
+                             help="at most this many drafts verified per round (default: the drafter's block size - 1)")
     bench_serve.set_defaults(fn=_cmd_bench, config=None, overrides=[])
     bench_train = bench_sub.add_parser("train", help="training tokens/s and step time split")
     bench_train.add_argument("--json", help="write the result here")

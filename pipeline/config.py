@@ -200,6 +200,10 @@ class DrafterSection(Section):
     mask_token_id: int | None = Field(None, ge=0, description="MASK token (None = tokenizer's mask, else unk, else 0)")
     init_from: str | None = Field(None, description="an export directory to start from (fine-tuning, e.g. on "
                                                     "self-distilled data); its architecture must equal this section's")
+    draft_vocab_size: int | None = Field(None, gt=0, description="draft over the V_d most frequent supervised tokens "
+                                                                 "of the training manifest (EAGLE-3's d2t; None = the "
+                                                                 "target's whole vocabulary); with init_from, the "
+                                                                 "export's vocabulary if it has one of this size")
 
     @field_validator("block_size")
     @classmethod
@@ -303,6 +307,8 @@ class ServeEngineSection(Section):
         None, description="an export dir to start with (None = autoregressive until the registry has a version)",
     )
     num_threads: int | None = Field(None, gt=0, description="torch intra-op threads per replica (None = torch's default)")
+    num_speculative_tokens: int | None = Field(None, gt=0, description="at most this many drafts verified per round "
+                                                                       "(None = the drafter's block size - 1)")
 
 
 class RegistrySection(Section):
@@ -435,6 +441,13 @@ class PipelineConfig(JobConfig):
                 f"store.uri={self.store.uri} is the Ray object store, a cache that dies with the capture actors; "
                 "offline mode writes a manifest that training reads later: use a file:// or s3:// store.uri, "
                 "or mode=online"
+            )
+        d = self.train.drafter
+        if self.mode == "online" and d.draft_vocab_size is not None and not d.init_from:
+            raise ValueError(
+                f"train.drafter.draft_vocab_size={d.draft_vocab_size} is counted from a finished capture's manifest, "
+                "and online training streams features that do not exist yet: use mode=offline, set "
+                "train.drafter.init_from=<an export with a draft vocabulary>, or train.drafter.draft_vocab_size=null"
             )
         if self.mode == "online" and self.capture.max_batch_size > o.max_inflight_samples:
             raise ValueError(

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 import yaml
 
 from specray.capture.contract import CaptureContract, build_contract
-from specray.capture.store import open_store, read_manifest
+from specray.capture.store import Manifest, open_store, read_manifest
 from specray.capture.target import Target, load_target
 from specray.drafters import DRAFTERS
 from specray.pipeline.config import TrainJobConfig
@@ -30,6 +30,7 @@ from specray.trainer.loader import FeatureLoader
 from specray.trainer.loop import Trainer
 from specray.trainer.plots import plot_training
 from specray.trainer.strategies import get_strategy
+from specray.trainer.vocab import DraftVocabulary, draft_vocabulary
 
 
 def default_mask_token_id(tokenizer) -> int:
@@ -53,6 +54,7 @@ def drafter_config(cfg: TrainJobConfig, target: Target, layer_ids):
         head_dim=d.head_dim or getattr(tcfg, "head_dim", None) or target.hidden_size // tcfg.num_attention_heads,
         intermediate_size=d.intermediate_size or tcfg.intermediate_size,
         block_size=d.block_size, attention=d.attention, sliding_window=d.sliding_window,
+        draft_vocab_size=d.draft_vocab_size,
         rms_norm_eps=tcfg.rms_norm_eps,
         rope_theta=float((getattr(tcfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
     )
@@ -67,25 +69,65 @@ class RankParts:
     extra: dict  # carried by every checkpoint for export: algorithm, drafter config, contract, provenance
 
 
+def _keeps_export_vocab(cfg: TrainJobConfig) -> bool:
+    """True when ``drafter.init_from`` supplies the draft vocabulary (an export with one of the same size)."""
+    from specray.drafters.format import read_drafter_config
+
+    if not cfg.drafter.init_from:
+        return False
+    size = read_drafter_config(cfg.drafter.init_from)["architecture"].get("draft_vocab_size")
+    return size is not None and size == cfg.drafter.draft_vocab_size
+
+
 def _init_from_export(model, model_cfg, export_dir: str, target: Target, contract: CaptureContract) -> None:
-    """Start ``model`` from an export's weights (fresh optimizer and schedule: a fine-tune, not a resume)."""
+    """Start ``model`` from an export's weights (fresh optimizer and schedule: a fine-tune, not a resume).
+
+    The architecture must match, except the draft vocabulary size: the LM head is the target's,
+    so a full-vocabulary export restricted to a draft vocabulary keeps its logits on those rows.
+    The vocabulary is the export's when it has one of the configured size (``_keeps_export_vocab``),
+    else the one ``build_rank`` installs from the training manifest."""
     from specray.drafters.format import load_drafter
 
     source = load_drafter(export_dir, embed_tokens=target.model.model.embed_tokens, lm_head=target.model.lm_head,
                           target_fingerprint=target.target_fingerprint,
                           template_fingerprint=target.template_fingerprint, contract=json.loads(contract.to_json()))
     have, want = source.config.to_dict(), model_cfg.to_dict()
-    if have != want:
-        diffs = ", ".join(f"{k}: export {have.get(k)!r} vs config {want.get(k)!r}"
-                          for k in sorted(set(have) | set(want)) if have.get(k) != want.get(k))
+    diffs = ", ".join(f"{k}: export {have.get(k)!r} vs config {want.get(k)!r}"
+                      for k in sorted(set(have) | set(want)) if have.get(k) != want.get(k) and k != "draft_vocab_size")
+    if diffs:
         raise ValueError(f"drafter.init_from={export_dir} has another architecture ({diffs}); set the drafter "
                          "section to match the export")
-    model.load_state_dict(source.state_dict())
+    state = source.state_dict()
+    if have.get("draft_vocab_size") != want.get("draft_vocab_size"):
+        state.pop("draft_vocab", None)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if set(missing) - {"draft_vocab"} or unexpected:
+        raise ValueError(f"drafter.init_from={export_dir}: weights do not fit (missing {missing}, extra {unexpected})")
+
+
+def prepare_draft_vocab(cfg: TrainJobConfig, manifest: Manifest, store) -> DraftVocabulary | None:
+    """The draft vocabulary of ``drafter.draft_vocab_size`` from the training manifest, counted once
+    and kept in ``<run_dir>/draft_vocab.json`` (None without one, or when ``init_from`` supplies it)."""
+    size = cfg.drafter.draft_vocab_size
+    if size is None or _keeps_export_vocab(cfg):
+        return None
+    path, source = cfg.run_dir / "draft_vocab.json", str(cfg.data.manifest)
+    if path.exists():
+        vocab = DraftVocabulary.load(path)
+        if len(vocab.token_ids) == size and vocab.source == source:
+            return vocab
+    vocab = draft_vocabulary(manifest, store, size, source=source)
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    vocab.save(path)
+    return vocab
 
 
 def build_rank(cfg: TrainJobConfig, contract: CaptureContract, *, rank: int = 0, world_size: int = 1,
-               provenance: dict | None = None) -> RankParts:
-    """Target, drafter and TrainerCore of one rank, for features captured under ``contract``."""
+               provenance: dict | None = None, draft_vocab: DraftVocabulary | None = None) -> RankParts:
+    """Target, drafter and TrainerCore of one rank, for features captured under ``contract``.
+
+    With ``drafter.draft_vocab_size`` the vocabulary comes from ``drafter.init_from`` or from
+    ``draft_vocab`` (``prepare_draft_vocab``)."""
     strategy_cls = get_strategy(cfg.drafter.algorithm)
     target = load_target(cfg.target.name, dtype=cfg.target.dtype, device=cfg.target.device)
     expected = build_contract(
@@ -100,6 +142,12 @@ def build_rank(cfg: TrainJobConfig, contract: CaptureContract, *, rank: int = 0,
                                  lm_head=target.model.lm_head, final_norm=target.model.model.norm)
     if cfg.drafter.init_from:
         _init_from_export(model, model_cfg, cfg.drafter.init_from, target, contract)
+    if model_cfg.draft_vocab_size is not None and not _keeps_export_vocab(cfg):
+        if draft_vocab is None:
+            raise ValueError("drafter.draft_vocab_size is counted from a training manifest (data.manifest) or taken "
+                             "from drafter.init_from; online training has neither: set drafter.draft_vocab_size=null "
+                             "or drafter.init_from=<an export with a draft vocabulary>")
+        model.set_draft_vocab(torch.tensor(draft_vocab.token_ids))
     o = cfg.optim
     settings = OptimSettings(
         lr=o.lr, weight_decay=o.weight_decay, warmup_steps=o.warmup_steps, total_steps=o.total_steps,
@@ -113,6 +161,8 @@ def build_rank(cfg: TrainJobConfig, contract: CaptureContract, *, rank: int = 0,
         "provenance": {
             "run": cfg.name, "run_dir": str(cfg.run_dir.resolve()), "target": cfg.target.name,
             "world_size": world_size, "config": cfg.model_dump(mode="json"), **(provenance or {}),
+            **({"draft_vocab": {"size": len(draft_vocab.token_ids), "coverage": draft_vocab.coverage,
+                                "source": draft_vocab.source}} if draft_vocab is not None else {}),
         },
     }
     return RankParts(core, expected, extra)
@@ -126,7 +176,8 @@ def build_trainer(cfg: TrainJobConfig, *, rank: int = 0, world_size: int = 1) ->
     manifest = read_manifest(cfg.data.manifest, endpoint_url=cfg.data.endpoint_url)
     store = open_store(manifest.store_uri, endpoint_url=cfg.data.endpoint_url)
     parts = build_rank(cfg, manifest.contract, rank=rank, world_size=world_size,
-                       provenance={"manifest": str(cfg.data.manifest), "samples": len(manifest.refs)})
+                       provenance={"manifest": str(cfg.data.manifest), "samples": len(manifest.refs)},
+                       draft_vocab=prepare_draft_vocab(cfg, manifest, store))
     loader = FeatureLoader(
         manifest, store, micro_batch_size=cfg.optim.micro_batch_size, seed=cfg.optim.seed,
         rank=rank, world_size=world_size, expected=parts.expected, max_length=cfg.data.max_length,
@@ -153,6 +204,7 @@ class TrainSummary:
             f"loss        {f['loss']:.4f}",
             f"acc by pos  {acc}",
             f"tau_tf      {f['tau_tf']:.3f} (teacher-forced accepted length)",
+            *([f"coverage    {f['coverage']:.3f} (labels inside the draft vocabulary)"] if f.get("coverage", 1) < 1 else []),
             f"tokens/s    {f['tokens_per_s']:.0f}",
             f"curves      {self.curves}",
         ])
@@ -195,6 +247,9 @@ def run_training(cfg: TrainJobConfig, *, progress: bool = True) -> TrainSummary:
     world_size = cfg.trainer.world_size
     if world_size == 1:
         return _run_rank(0, cfg, 1, None, progress)
+    if cfg.drafter.draft_vocab_size is not None and cfg.data.manifest is not None:  # count once, not per rank
+        manifest = read_manifest(cfg.data.manifest, endpoint_url=cfg.data.endpoint_url)
+        prepare_draft_vocab(cfg, manifest, open_store(manifest.store_uri, endpoint_url=cfg.data.endpoint_url))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

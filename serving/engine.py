@@ -266,7 +266,13 @@ def _cut_at_stop(text: str, stops: tuple[str, ...]) -> str:
 
 class Engine:
     def __init__(self, target: Target, drafter_dir: str | None = None, *, max_batch: int = 4, max_len: int = 2048,
-                 drafter_version: int = 0):
+                 drafter_version: int = 0, num_speculative_tokens: int | None = None):
+        """``num_speculative_tokens``: at most this many drafts are verified per round (None = all
+        of the drafter's block, B − 1); it applies to every drafter version this engine loads."""
+        if num_speculative_tokens is not None and num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1 (or None for the drafter's block), "
+                             f"got {num_speculative_tokens}")
+        self.num_speculative_tokens = num_speculative_tokens
         self.target = target
         self.tokenizer = target.tokenizer
         self.max_len = max_len
@@ -323,7 +329,9 @@ class Engine:
         if any(not 0 <= i < self.target.num_layers for i in layer_ids):
             raise InvalidDrafterError(f"{drafter_dir}: target_layer_ids {layer_ids} outside the target's "
                                       f"0..{self.target.num_layers - 1}")
-        worker = WORKERS[drafter.algorithm](_DrafterRunner(self.runner, layer_ids), drafter)
+        k = self.num_speculative_tokens
+        worker = WORKERS[drafter.algorithm](_DrafterRunner(self.runner, layer_ids), drafter,
+                                            num_draft_tokens=None if k is None else min(k, drafter.config.block_size - 1))
         return _Version(version, worker, drafter, layer_ids)
 
     def load_drafter(self, drafter_dir: str | Path, version: int) -> Future:

@@ -5,8 +5,8 @@ State per request: ``n`` committed rows in both the target cache and the drafter
 cache (the projected target hidden of those rows, as K/V per draft layer), and the anchor ``a``
 (the last emitted token, which has no KV yet, at position ``n``).
 
-    propose  block [a, MASK × m] at positions n … n+m over context rows < n  -> d1 … dm (q)
-    verify   target forward on [a, d1 … dm]                                  -> m+1 rows of p
+    propose  block [a, MASK × m] at positions n … n+m over context rows < n  -> d1 … dk (q), k ≤ m
+    verify   target forward on [a, d1 … dk]                                  -> k+1 rows of p
     accept   greedy / rejection sampling (kernels/rejection.py)              -> r, x*
     commit   target: rows [a, d1 … dr]; draft context: their target hidden   (r + 1 rows)
 
@@ -28,10 +28,22 @@ from specray.serving.sampling import process
 
 
 class DFlashWorker:
-    def __init__(self, runner: LlamaRunner, drafter: DFlashDrafter):
+    """``num_draft_tokens`` (k ≤ m = B − 1, default m) caps the drafts verified per round. The
+    drafter still runs its whole block of B rows (its positions attend to each other), but only
+    rows 1 … k go through the LM head and the target: when acceptance falls off after a few
+    positions, verifying fewer rows makes a round cheaper without changing what it can accept
+    up to k.
+    """
+
+    def __init__(self, runner: LlamaRunner, drafter: DFlashDrafter, *, num_draft_tokens: int | None = None):
         cfg = drafter.config
         if tuple(runner.capture_layer_ids) != tuple(cfg.target_layer_ids):
             raise ValueError("the runner must capture the drafter's target layer ids")
+        m = cfg.block_size - 1
+        if num_draft_tokens is not None and not 1 <= num_draft_tokens <= m:
+            raise ValueError(f"num_draft_tokens must be in [1, {m}] for a drafter of block size {cfg.block_size}, "
+                             f"got {num_draft_tokens}")
+        self.num_draft_tokens = num_draft_tokens or m
         self.runner, self.drafter, self.cfg = runner, drafter, cfg
         cache = runner.cache
         self.context = SlotKVCache(num_layers=cfg.num_layers, num_slots=cache.num_slots, max_len=cache.max_len,
@@ -47,7 +59,7 @@ class DFlashWorker:
 
     @property
     def rows_per_round(self) -> int:  # target rows verified per round (capacity planning)
-        return self.block_size
+        return self.num_draft_tokens + 1
 
     def _commit_context(self, slots: list[int], hidden: dict[int, torch.Tensor], rows: list[int]) -> None:
         """Project the target hidden of each request's first ``rows[b]`` rows into draft K/V."""
@@ -72,7 +84,10 @@ class DFlashWorker:
 
     @torch.inference_mode()
     def propose(self, slots: list[int], anchors: list[int], params, generators):
-        """Draft m tokens per request; returns (drafts [B, m], q [B, m, V] or None per request)."""
+        """Draft k tokens per request; returns (drafts [B, k] target ids, q [k, V] or None per request).
+
+        With a draft vocabulary the drafter's distribution covers V_d tokens; ``q`` is handed to
+        verification over the target's V (zero outside), the distribution the drafts were drawn from."""
         n = self.context.committed[torch.tensor(slots)]  # [B] anchor positions
         ctx_len = int(n.max())
         index = self.context.index(torch.tensor(slots))
@@ -81,7 +96,8 @@ class DFlashWorker:
         positions = n[:, None] + torch.arange(self.block_size)
         valid = torch.arange(ctx_len)[None, :] < n[:, None]
         mask = block_attention_mask(n[:, None], valid, self.block_size, self.cfg.attention, self.cfg.sliding_window)
-        logits = self.drafter.logits(self.drafter.forward_block(block, positions, ctx_kv, mask)[:, 1:])  # [B, m, V]
+        hidden = self.drafter.forward_block(block, positions, ctx_kv, mask)
+        logits = self.drafter.logits(hidden[:, 1 : self.num_draft_tokens + 1])  # [B, k, V or V_d]
         drafts, qs = [], []
         for b, p in enumerate(params):
             if p.greedy:
@@ -90,8 +106,8 @@ class DFlashWorker:
             else:
                 q = process(logits[b], p)  # the distribution the drafts are sampled from
                 drafts.append(torch.multinomial(q, 1, generator=generators[b]).squeeze(-1))
-                qs.append(q)
-        return torch.stack(drafts), qs
+                qs.append(self.drafter.to_target_distribution(q))
+        return self.drafter.draft_to_target(torch.stack(drafts)), qs
 
     def step(self, slots: list[int], anchors: list[int], params, generators) -> list[list[int]]:
         """One propose → verify → accept → commit round; returns the emitted tokens per request.

@@ -158,3 +158,42 @@ def test_inference_logits_of_a_few_rows_equal_the_linear_heads():
     with_grad = model.logits(hidden)  # training: nn.Linear itself, bit for bit, differentiable
     assert with_grad.requires_grad
     torch.testing.assert_close(with_grad, slow, rtol=0, atol=0)
+
+
+def test_draft_vocabulary_restricts_the_shared_head_to_its_rows():
+    full = _drafter()
+    small = _drafter(draft_vocab_size=6)
+    small.load_state_dict({k: v for k, v in full.state_dict().items()}, strict=False)
+    small.lm_head.load_state_dict(full.lm_head.state_dict())
+    small.embed_tokens.load_state_dict(full.embed_tokens.state_dict())
+    vocab = torch.tensor([2, 3, 11, 17, 40, 49])
+    small.set_draft_vocab(vocab[torch.randperm(6)])  # stored ascending whatever the order given
+    assert torch.equal(small.draft_vocab, vocab) and "draft_vocab" in small.state_dict()
+    hidden = torch.randn(2, 3, D)
+    with torch.no_grad():
+        expected = full.logits(hidden)[..., vocab]
+        torch.testing.assert_close(small.logits(hidden), expected)  # inference layout
+    torch.testing.assert_close(small.logits(hidden), expected)  # training layout (grad enabled)
+    ids = torch.tensor([[3, 40], [5, 49]])
+    assert small.target_to_draft(ids).tolist() == [[1, 4], [-1, 5]]  # 5 is outside the draft vocabulary
+    assert small.draft_to_target(torch.tensor([0, 5])).tolist() == [2, 49]
+    q = torch.softmax(torch.randn(4, 6), -1)
+    q_full = small.to_target_distribution(q)
+    assert q_full.shape == (4, V) and torch.equal(q_full[:, vocab], q)
+    assert q_full.sum(-1).allclose(torch.ones(4)) and (q_full[:, 5] == 0).all()
+    assert full.target_to_draft(ids) is ids and full.to_target_distribution(q_full) is q_full  # no vocabulary: identity
+
+
+def test_bad_draft_vocabularies_are_refused():
+    with pytest.raises(ValueError, match=r"draft_vocab_size must be in \[1, 50\]"):
+        _drafter(draft_vocab_size=51)
+    small = _drafter(draft_vocab_size=3)
+    with pytest.raises(ValueError, match="needs 3 token ids"):
+        small.set_draft_vocab(torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="distinct"):
+        small.set_draft_vocab(torch.tensor([1, 2, 2]))
+    with pytest.raises(ValueError, match=r"must be in \[0, 50\)"):
+        small.set_draft_vocab(torch.tensor([1, 2, 50]))
+    small.draft_vocab.copy_(torch.tensor([4, 4, 9]))  # e.g. a tampered export
+    with pytest.raises(ValueError, match="distinct"):
+        small.validate_state()

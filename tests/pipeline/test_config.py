@@ -51,3 +51,16 @@ def test_cli_reports_config_errors_with_status_2(tmp_path, capsys):
     assert "capture.layer_idz: unknown key" in err and "Traceback" not in err
     assert main(["capture", "-c", str(tmp_path / "missing.yaml")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_online_pipeline_refuses_a_draft_vocabulary_it_cannot_count():
+    from specray.pipeline.config import PipelineConfig
+
+    with pytest.raises(ConfigError, match=r"draft_vocab_size=64 is counted from a finished capture's manifest.*"
+                                          r"use mode=offline"):
+        load_config(PipelineConfig, "manifests/online.yaml", ["train.drafter.draft_vocab_size=64"])
+    cfg = load_config(PipelineConfig, "manifests/online.yaml",
+                      ["train.drafter.draft_vocab_size=64", "train.drafter.init_from=runs/x/exports/final"])
+    assert cfg.train.drafter.draft_vocab_size == 64
+    with pytest.raises(ConfigError, match=r"draft_vocab_size: Input should be greater than 0"):
+        load_config(PipelineConfig, "manifests/quickstart.yaml", ["train.drafter.draft_vocab_size=0"])

@@ -12,23 +12,34 @@ from specray.serving.sampling import SamplingParams
 PROMPTS = ["Hi", "Tell me about dragons and castles.", "1 2 3 4 5 6", "A much longer prompt " * 6]
 
 
-@pytest.fixture(scope="module")
-def random_drafter(debug_target, tmp_path_factory):
-    """An untrained DFlash drafter for the debug target, exported like a trained one."""
+def _export_random_drafter(t, out, draft_vocab=None):
+    """An untrained DFlash drafter for the debug target ``t``, exported like a trained one."""
+    import json
+
     from specray.capture.contract import build_contract
 
-    t = debug_target
     contract = build_contract("dflash", target_fingerprint=t.target_fingerprint, template_fingerprint=t.template_fingerprint,
                               num_target_layers=t.num_layers, hidden_size=t.hidden_size)
     cfg = DFlashConfig(hidden_size=t.hidden_size, vocab_size=t.vocab_size, target_layer_ids=contract.layer_ids,
                        mask_token_id=0, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
-                       block_size=4)
+                       block_size=4, draft_vocab_size=None if draft_vocab is None else len(draft_vocab))
     torch.manual_seed(0)
     model = DFlashDrafter(cfg, embed_tokens=t.model.model.embed_tokens, lm_head=t.model.lm_head)
-    import json
-
-    out = tmp_path_factory.mktemp("drafter") / "export"
+    if draft_vocab is not None:
+        model.set_draft_vocab(draft_vocab)
     return save_drafter(out, model, contract=json.loads(contract.to_json()), provenance={"run": "random"})
+
+
+@pytest.fixture(scope="module")
+def random_drafter(debug_target, tmp_path_factory):
+    return _export_random_drafter(debug_target, tmp_path_factory.mktemp("drafter") / "export")
+
+
+@pytest.fixture(scope="module")
+def vocab_drafter(debug_target, tmp_path_factory):
+    """The same, drafting over every third token id only (a draft vocabulary of 87 of 259)."""
+    vocab = torch.arange(0, debug_target.vocab_size, 3)
+    return _export_random_drafter(debug_target, tmp_path_factory.mktemp("drafter") / "vocab", vocab)
 
 
 def _hf_greedy(target, ids, max_new):
@@ -127,7 +138,7 @@ class OracleWorker:
         return self.worker.prefill(slots, prompts)
 
     def propose(self, slots, anchors, params, generators):
-        m = self.worker.block_size - 1
+        m = self.worker.num_draft_tokens
         drafts = []
         for slot, a in zip(slots, anchors):
             cont = (_hf_greedy_raw(self.target, self.committed[slot] + [a], m) + [0] * m)[:m]
@@ -199,3 +210,37 @@ def test_bench_serve_writes_json_and_plot(debug_target, random_drafter, tmp_path
     assert sum(phases[k] for k in ("draft", "verify", "accept", "commit")) <= phases["wall"]
     out = capsys.readouterr().out
     assert "tau" in out and "ms per DFlash round: draft" in out
+
+
+def test_num_speculative_tokens_caps_the_drafts_verified_per_round(debug_target, random_drafter):
+    engine = Engine(debug_target, str(random_drafter), max_batch=2, max_len=512, num_speculative_tokens=2)
+    assert engine.worker.num_draft_tokens == 2 and engine.worker.rows_per_round == 3
+    engine.worker = OracleWorker(engine.worker, debug_target)
+    outputs = engine.generate(PROMPTS[:2], SamplingParams(max_tokens=30))
+    for out in outputs:
+        assert out.token_ids == _hf_greedy(debug_target, out.prompt_ids, 30)
+        assert max(out.emitted_per_round) == 3 and min(out.emitted_per_round) == 1  # at most k + 1 per round
+    assert len(engine.stats()["acceptance_by_position"]) == 2
+    assert Engine(debug_target, str(random_drafter), num_speculative_tokens=50).worker.num_draft_tokens == 3  # <= m
+    with pytest.raises(ValueError, match="num_speculative_tokens must be >= 1"):
+        Engine(debug_target, str(random_drafter), num_speculative_tokens=0)
+
+
+def test_draft_vocabulary_drafter_is_lossless_and_proposes_only_its_tokens(debug_target, vocab_drafter):
+    engine = Engine(debug_target, str(vocab_drafter), max_batch=3, max_len=512)
+    vocab = engine.drafter.draft_vocab
+    for out in engine.generate(PROMPTS[:3], SamplingParams(max_tokens=30)):
+        assert out.token_ids == _hf_greedy(debug_target, out.prompt_ids, 30)
+    worker = engine.worker  # propose directly: the q handed to verification is over the target's vocabulary
+    prompts = [engine.encode(p) for p in PROMPTS[:2]]
+    worker.prefill([0, 1], prompts)
+    params = [SamplingParams(temperature=1.0), SamplingParams()]
+    generators = [torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)]
+    drafts, qs = worker.propose([0, 1], [5, 7], params, generators)
+    assert drafts.shape == (2, 3) and torch.isin(drafts, vocab).all()
+    q = qs[0]  # sampled request: [m, V], zero outside the draft vocabulary, the drafts drawn from it
+    assert q.shape == (3, debug_target.vocab_size) and torch.allclose(q.sum(-1), torch.ones(3))
+    outside = torch.ones(debug_target.vocab_size, dtype=torch.bool)
+    outside[vocab] = False
+    assert (q[:, outside] == 0).all() and (q[torch.arange(3), drafts[0]] > 0).all()
+    assert qs[1] is None  # greedy request: argmax, no q

@@ -1,5 +1,6 @@
 import math
 
+import pytest
 import torch
 
 from specray.trainer.strategies.dflash import (
@@ -53,3 +54,50 @@ def test_anchor_rule_and_labels():
     assert supervised[0, 0].tolist() == [True, False, True]  # position 5 is outside the answer
     assert supervised[0, 1].tolist() == [True, False, False]  # 7 is the last token; 8, 9 are past the end
     assert not supervised[0, 2].any()  # unused slot
+
+
+def test_draft_vocabulary_loss_skips_uncovered_labels_and_counts_them_as_misses():
+    from torch import nn
+
+    from specray.drafters.dflash import DFlashConfig, DFlashDrafter
+    from specray.trainer.loader import TrainBatch
+    from specray.trainer.strategies.dflash import DFlashStrategy
+
+    D, V, T = 16, 12, 10
+    cfg = DFlashConfig(hidden_size=D, vocab_size=V, target_layer_ids=(1, 2), mask_token_id=0, num_layers=1,
+                       num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32, block_size=4,
+                       draft_vocab_size=6)
+    torch.manual_seed(0)
+    embed, head = nn.Embedding(V, D), nn.Linear(D, V, bias=False)
+    model = DFlashDrafter(cfg, embed_tokens=embed, lm_head=head)
+    vocab = torch.tensor([1, 2, 3, 5, 8, 9])
+    model.set_draft_vocab(vocab)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 8, 9, 7, 2, 3]])  # 4 and 7 are outside the draft vocabulary
+    batch = TrainBatch(input_ids=ids, loss_mask=torch.ones(1, T, dtype=torch.bool),
+                       attention_mask=torch.ones(1, T, dtype=torch.bool), hidden_states=torch.randn(1, T, 2 * D),
+                       last_hidden_states=None, sample_ids=["s"], num_tokens=T)
+    strategy = DFlashStrategy(num_anchors=3, gamma=2.0)
+    loss, metrics = strategy.forward_loss(model, cfg, batch, strategy.generator(0, 0))
+
+    anchors = sample_anchors(batch.loss_mask, 3, strategy.generator(0, 0))
+    with torch.no_grad():  # the same blocks; label mapping, loss and hits by hand below
+        logits = model(batch.hidden_states, batch.attention_mask, torch.gather(ids, 1, anchors), anchors)
+    labels, supervised = block_labels(ids, batch.loss_mask, anchors, 4)
+    w = position_weights(4, 2.0)
+    num = den = 0.0
+    correct = torch.zeros(3)
+    for n in range(anchors.shape[1]):
+        for j in range(3):
+            if not supervised[0, n, j]:
+                continue
+            label = int(labels[0, n, j])
+            row = logits[0, n, j].tolist()
+            correct[j] += int(vocab[int(logits[0, n, j].argmax())]) == label
+            if label in vocab.tolist():
+                num += float(w[j]) * _ce(row, vocab.tolist().index(label))
+                den += float(w[j])
+    assert abs(float(loss) - num / den) < 1e-5
+    assert torch.equal(metrics["correct"].float(), correct)
+    assert metrics["count"].sum() > metrics["covered"].sum() > 0  # some labels (4, 7) are not covered
+    summary = DFlashStrategy.summarize(metrics)
+    assert summary["coverage"] == pytest.approx(float(metrics["covered"].sum() / metrics["count"].sum()))

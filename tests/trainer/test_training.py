@@ -166,3 +166,50 @@ def test_bad_inputs(manifest, tmp_path):
     with pytest.raises(FeatureNotFoundError, match="no feature blob at key"):
         trainer.fit(progress=False)
     trainer.loader.close()
+
+
+def test_draft_vocabulary_is_counted_once_trained_on_and_exported(manifest, tmp_path):
+    from specray.trainer.vocab import DraftVocabulary
+
+    run = tmp_path / "run"
+    summary = run_training(_cfg(manifest, run, "optim.total_steps=3", "drafter.draft_vocab_size=40"), progress=False)
+    vocab = DraftVocabulary.load(run / "draft_vocab.json")
+    assert len(vocab.token_ids) == 40 and 0 < vocab.coverage <= 1 and vocab.source == str(manifest)
+    assert summary.final["coverage"] <= 1 and len(summary.final["acc_by_pos"]) == 7
+    out = export_checkpoint(run, tmp_path / "export")
+    target = load_target("debug")
+    shared = dict(embed_tokens=target.model.model.embed_tokens, lm_head=target.model.lm_head,
+                  target_fingerprint=target.target_fingerprint, template_fingerprint=target.template_fingerprint)
+    loaded = load_drafter(out, **shared)
+    assert loaded.draft_vocab.tolist() == vocab.token_ids and loaded.config.draft_vocab_size == 40
+    assert json.loads((out / "export.json").read_text())["draft_vocab"]["coverage"] == vocab.coverage
+    # A fine-tune keeps its export's vocabulary (nothing is counted) ...
+    tuned = build_trainer(_cfg(manifest, tmp_path / "tuned", f"drafter.init_from={out}", "drafter.draft_vocab_size=40"))
+    assert tuned.core.model.draft_vocab.tolist() == vocab.token_ids
+    assert not (tmp_path / "tuned" / "draft_vocab.json").exists()
+    tuned.loader.close()
+    # A full-vocabulary export converts: same weights, the head restricted to a counted vocabulary.
+    run_training(_cfg(manifest, tmp_path / "full", "optim.total_steps=2"), progress=False)
+    full = export_checkpoint(tmp_path / "full", tmp_path / "full-export")
+    converted = build_trainer(_cfg(manifest, tmp_path / "conv", f"drafter.init_from={full}",
+                                   "drafter.draft_vocab_size=40"))
+    model, source = converted.core.model.eval(), load_drafter(full, **shared)
+    assert model.draft_vocab.tolist() == vocab.token_ids  # counted from the same manifest
+    batch = converted.loader.next_batch()
+    anchors = torch.tensor([[3, 10]] * batch.input_ids.shape[0])
+    args = (batch.hidden_states, batch.attention_mask, torch.gather(batch.input_ids, 1, anchors), anchors)
+    with torch.no_grad():
+        torch.testing.assert_close(model(*args), source(*args)[..., model.draft_vocab])
+    converted.loader.close()
+    # ... and an export whose vocabulary was tampered with (checksum updated) is rejected.
+    from safetensors.torch import load_file, save_file
+
+    from specray.drafters.format import _sha256
+
+    state = load_file(out / "model.safetensors")
+    state["draft_vocab"][1] = state["draft_vocab"][0]
+    save_file(state, out / "model.safetensors", metadata={"format": "pt", "algorithm": "dflash"})
+    export = json.loads((out / "export.json").read_text())
+    (out / "export.json").write_text(json.dumps(dict(export, weights_sha256=_sha256(out / "model.safetensors"))))
+    with pytest.raises(InvalidDrafterError, match="draft vocabulary ids must be distinct"):
+        load_drafter(out, **shared)

@@ -10,7 +10,8 @@ Per sequence of a TrainBatch:
 2. **Blocks** ``[x_a, MASK × (B−1)]`` at positions ``a … a+B−1``; the drafter sees target
    context only at positions ``< a`` (``drafters/dflash.py::block_attention_mask``).
 3. **Loss.** Block position ``j = 1 … m`` predicts ``x[a+j]``, supervised where ``a+j`` is in the
-   sequence and ``loss_mask[a+j]`` (``M``)::
+   sequence and ``loss_mask[a+j]`` (``M``) — and, with a draft vocabulary, where ``x[a+j]`` is in
+   it (a token the drafter cannot propose has no target in its softmax)::
 
        L = − Σ_{n,j} M_{n,j} w_j log q_{n,j}(x_{a_n+j}) / Σ_{n,j} M_{n,j} w_j,   w_j = exp(−(j−1)/γ)
 
@@ -20,7 +21,9 @@ Per sequence of a TrainBatch:
    the default here is 4 for the default B = 8.
 
 Metrics are returned as sums (so they add over micro-batches, steps and ranks): per position
-``j`` the supervised count, correct top-1 count and CE sum, plus the teacher-forced accepted
+``j`` the supervised count, correct top-1 count (a label outside the draft vocabulary is a miss,
+so accuracy is comparable with and without one), the count inside the draft vocabulary and the
+CE sum over those, plus the teacher-forced accepted
 length: the number of leading positions whose top-1 is correct, per block (``tau_tf − 1``).
 """
 
@@ -120,18 +123,23 @@ class DFlashStrategy:
         B = config.block_size
         anchors = sample_anchors(batch.loss_mask, self.num_anchors, generator)  # [Bt, N]
         anchor_ids = torch.gather(batch.input_ids, 1, anchors.clamp(min=0))
-        logits = model(batch.hidden_states, batch.attention_mask, anchor_ids, anchors)  # [Bt, N, m, V]
+        logits = model(batch.hidden_states, batch.attention_mask, anchor_ids, anchors)  # [Bt, N, m, V or V_d]
         labels, supervised = block_labels(batch.input_ids, batch.loss_mask, anchors, B)
-        loss, ce = weighted_block_ce(logits, labels, supervised, position_weights(B, self.gamma))
+        drafter = getattr(model, "module", model)  # unwrap DDP
+        draft_labels = drafter.target_to_draft(labels)  # = labels without a draft vocabulary
+        covered = supervised & (draft_labels >= 0)
+        loss, ce = weighted_block_ce(logits, draft_labels.clamp(min=0), covered, position_weights(B, self.gamma))
         with torch.no_grad():
-            correct = (logits.argmax(-1) == labels) & supervised
+            # A label outside the draft vocabulary cannot be drafted: it counts as a miss.
+            correct = (drafter.draft_to_target(logits.argmax(-1)) == labels) & supervised
             # leading run of correct predictions per block (blocks with a first label only)
             accepted = torch.cumprod(correct.long(), dim=-1).sum(-1)
             has_first = supervised[..., 0]
             metrics = {
                 "count": supervised.sum((0, 1)).double(),  # [m]
                 "correct": correct.sum((0, 1)).double(),  # [m]
-                "ce": (ce.detach() * supervised).sum((0, 1)).double(),  # [m]
+                "ce": (ce.detach() * covered).sum((0, 1)).double(),  # [m]
+                "covered": covered.sum((0, 1)).double(),  # [m] labels inside the draft vocabulary
                 "blocks": has_first.sum().double().reshape(1),
                 "accepted": (accepted * has_first).sum().double().reshape(1),
             }
@@ -144,7 +152,8 @@ class DFlashStrategy:
         blocks = sums["blocks"].clamp(min=1)
         return {
             "acc_by_pos": (sums["correct"] / count).tolist(),
-            "ce_by_pos": (sums["ce"] / count).tolist(),
+            "ce_by_pos": (sums["ce"] / sums["covered"].clamp(min=1)).tolist(),
+            "coverage": float(sums["covered"].sum() / count.sum()),
             "acc": float(sums["correct"].sum() / count.sum()),
             "tau_tf": float(1 + sums["accepted"].sum() / blocks.sum()),
         }
