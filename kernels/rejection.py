@@ -9,7 +9,10 @@ emits ``[d_1 .. d_k, x*]``: ``x*`` is the *correction* drawn at the first reject
 or the *bonus* drawn from row ``n`` when every draft was accepted, so ``num_emitted = k + 1``.
 
 - Greedy (``draft_probs=None``): accept ``d_{j+1}`` while ``d_{j+1} == argmax p_j``; ``x*``
-  is the argmax of row ``k``. Ties go to the lowest token id, as in ``torch.argmax``.
+  is the argmax of row ``k``. Ties go to the lowest token id, as in ``torch.argmax``. Only the
+  argmax of each row is read, so the target's logits may be passed instead of ``p``: that skips
+  a softmax over the vocabulary per row, and is exactly the argmax plain greedy decoding takes
+  (a float32 softmax can round two nearly equal top logits to one probability, a tie).
 - Sampling: accept ``d_{j+1}`` iff ``u_j * q_j(d_{j+1}) < p_j(d_{j+1})`` (``u < min(1, p/q)``,
   ``q_j`` being row ``j`` of ``draft_probs``, the distribution ``d_{j+1}`` was drawn from); the
   correction is drawn from ``norm([p_k - q_k]+)``, the bonus from ``p_n``. A draw is the

@@ -11,12 +11,14 @@ builders, generation config checks). This runner is built for that regime (numbe
   streams the weights at about 28 GB/s on this VM, where ``F.linear``'s ``x @ W.T`` manages
   about half that at small M, and any one-row product (a mat-vec) about 12-16 GB/s;
 - so a lone row (batch-1 decode) runs as two identical rows: the full-model product chain
-  then takes ~27 ms on one thread (~19 ms on two) instead of ~45 ms as mat-vecs. Only the first
-  row is written to the cache and returned;
-- a lone row runs on one intra-op thread. On two, each of its ~150 parallel regions needs the
-  second thread scheduled: on an idle machine that costs little, but when other processes
-  share the cores each region can wait a scheduler time slice, and a 30 ms step took 1.7 s
-  (measured here with a load average of 5). Batched forwards (several rows) keep all threads;
+  then takes ~25 ms on two threads (~37 ms on one) instead of ~45 ms as mat-vecs. Only the first
+  row is written to the cache and returned. Every forward uses torch's intra-op threads, so AR
+  decoding and a speculative verify of the same rows cost the same. (Until session 4 a lone row
+  ran on one thread, for robustness on an oversubscribed machine, where each of its ~150
+  parallel regions can wait a scheduler slice for the second thread; that made our AR 1.5x
+  slower than the 2-row verify on a quiet machine and flattered speculation. On a machine
+  shared with other busy processes, give the engine fewer threads instead: ``specray serve``'s
+  ``engine.num_threads``, or ``torch.set_num_threads``);
 - the residual add turns each ``[out, M]`` product back into row-major activations; RoPE rotates
   q and k in one ``addcmul`` with a sign-folded sine table (``rotate_half(x) * sin ==
   flip_halves(x) * [-sin, sin]``); grouped-query attention is two batched matmuls per layer over
@@ -42,11 +44,6 @@ import torch
 import torch.nn.functional as F
 
 from specray.serving.kv_cache import SlotKVCache, attention_mask
-
-# Captured at import: an in-process vLLM engine (``specray bench serve``) replaces
-# ``torch.set_num_threads`` with a no-op for the whole process when it starts.
-_set_num_threads = torch.set_num_threads
-
 
 @dataclass
 class RunnerOutput:
@@ -200,16 +197,6 @@ class LlamaRunner:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, slots: torch.Tensor, num_new: torch.Tensor) -> RunnerOutput:
-        if input_ids.numel() > 1:
-            return self._forward(input_ids, slots, num_new)
-        threads = torch.get_num_threads()
-        _set_num_threads(1)  # a lone row: see the module docstring
-        try:
-            return self._forward(input_ids, slots, num_new)
-        finally:
-            _set_num_threads(threads)
-
-    def _forward(self, input_ids: torch.Tensor, slots: torch.Tensor, num_new: torch.Tensor) -> RunnerOutput:
         B, T = input_ids.shape
         plan = self._plan(slots, num_new, T)
         x = F.embedding(input_ids.view(-1).expand(plan.B * plan.T), self.embed)  # [R, D]

@@ -122,7 +122,8 @@ class DFlashWorker:
         t2 = time.perf_counter()
         emitted, accepted_rows = [], []
         for b, p in enumerate(params):
-            target = out.logits[b : b + 1].softmax(-1) if p.greedy else process(out.logits[b : b + 1], p)
+            # greedy reads only each row's argmax: the logits themselves, as AR decoding's argmax
+            target = out.logits[b : b + 1] if p.greedy else process(out.logits[b : b + 1], p)
             tokens, count = rejection_sample(
                 target, drafts[b : b + 1], torch.tensor([M - 1]),
                 None if qs[b] is None else qs[b][None], generator=None if p.greedy else generators[b],
