@@ -362,7 +362,8 @@ class DFlashDrafter(nn.Module):
         h = hidden.to(weight.dtype)
         flat = h.reshape(-1, h.shape[-1])
         if flat.shape[0] <= 64 and not torch.is_grad_enabled():
-            rows = flat if len(flat) > 1 else flat.expand(2, -1)  # a lone row as two: gemm, not mat-vec
+            # A lone row as two real rows (an expanded view's zero stride sends mm to a slow path).
+            rows = flat if len(flat) > 1 else flat.expand(2, -1).contiguous()
             out = (weight @ rows.T).T[: len(flat)]
             if bias is not None:
                 out = out + bias
