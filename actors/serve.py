@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import ray
 import torch
 from ray import serve
 
+from specray.actors.cluster import connect
 from specray.capture.target import load_target
 from specray.serving.engine import Engine, EngineLoop
 from specray.serving.openai_api import create_app
@@ -149,19 +149,6 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _connect(address: str | None, num_cpus: int | None) -> None:
-    """Join the configured cluster, the job's (RAY_ADDRESS), or start a local one on loopback."""
-    if ray.is_initialized():
-        return
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=False)
-    else:
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 log_to_driver=False)  # "local": a new cluster even if a head node (`ray start`) runs here
-
-
 def _wait_ready(url: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -201,7 +188,7 @@ def start_serving(cfg: ServeJobConfig, *, timeout_s: float = 600.0) -> ServeHand
             "(or $SPECRAY_API_KEY) so requests need 'Authorization: Bearer <key>', or serve on http.host=127.0.0.1"
         )
     app = application(cfg, api_key)
-    _connect(cfg.ray.address, cfg.ray.num_cpus)
+    connect(cfg.ray.address, cfg.ray.num_cpus)
     serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
     serve.run(app, name=cfg.name, route_prefix="/")
     host = "127.0.0.1" if cfg.http.host in ("0.0.0.0", "::") else cfg.http.host

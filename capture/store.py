@@ -296,6 +296,36 @@ def write_manifest(
     return uri
 
 
+def merge_manifests(uris: list[str], out: str, *, endpoint_url: str | None = None) -> Manifest:
+    """Write one manifest holding the samples of several (e.g. a dataset captured in parts).
+
+    They must share the contract and the store: a manifest names one store, and a later
+    capture joins an earlier one by writing into its ``store.uri``. A sample id that appears
+    twice must name the same blob (same key and checksum) and is kept once; otherwise it is an
+    error, as is a differing contract or store."""
+    if not uris:
+        raise ValueError("merge needs at least one manifest")
+    manifests = [read_manifest(u, endpoint_url=endpoint_url) for u in uris]
+    first = manifests[0]
+    for uri, m in zip(uris[1:], manifests[1:]):
+        if m.contract.contract_id != first.contract.contract_id:
+            raise ValueError(f"{uri} has contract {m.contract.contract_id}, {uris[0]} has "
+                             f"{first.contract.contract_id}: only features of one contract train one drafter")
+        if m.store_uri != first.store_uri:
+            raise ValueError(f"{uri} lives in store {m.store_uri}, {uris[0]} in {first.store_uri}: a manifest names "
+                             "one store; capture the later part with store.uri set to the first one's")
+    refs: dict[str, SampleRef] = {}
+    for uri, m in zip(uris, manifests):
+        for ref in m.refs:
+            seen = refs.setdefault(ref.sample_id, ref)
+            if (seen.key, seen.checksum) != (ref.key, ref.checksum):
+                raise ValueError(f"sample {ref.sample_id!r} of {uri} differs from an earlier one with that id "
+                                 f"({ref.key} vs {seen.key})")
+    write_manifest(out, refs.values(), contract=first.contract, store_uri=first.store_uri,
+                   metadata={"merged_from": list(uris)}, endpoint_url=endpoint_url)
+    return read_manifest(out, endpoint_url=endpoint_url)
+
+
 def read_manifest(uri: str, *, endpoint_url: str | None = None) -> Manifest:
     fs, path, _ = open_fs(uri, endpoint_url=endpoint_url)
     if not fs.exists(path):

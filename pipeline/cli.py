@@ -156,6 +156,15 @@ def _cmd_regenerate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_merge_manifests(args: argparse.Namespace) -> int:
+    from specray.capture.store import merge_manifests
+
+    merged = merge_manifests(args.manifests, args.out, endpoint_url=args.endpoint_url)
+    print(f"manifest   {args.out}: {len(merged.refs)} samples, {merged.num_tokens} tokens from {len(args.manifests)} "
+          f"manifests (store {merged.store_uri})")
+    return 0
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from specray.capture.store import FeatureChecksumError, FeatureNotFoundError, FeatureStore, read_manifest
 
@@ -287,6 +296,13 @@ def build_parser() -> argparse.ArgumentParser:
     regen.add_argument("--seed", type=int, default=None)
     regen.add_argument("-q", "--quiet", action="store_true")
     regen.set_defaults(fn=_cmd_regenerate)
+
+    merge = sub.add_parser("merge-manifests", help="one manifest from several of one contract and store "
+                                                   "(a dataset captured in parts)")
+    merge.add_argument("manifests", nargs="+")
+    merge.add_argument("--out", required=True, help="the new manifest (manifests are immutable)")
+    merge.add_argument("--endpoint-url", default=None, help="S3 endpoint for s3:// manifests")
+    merge.set_defaults(fn=_cmd_merge_manifests)
 
     inspect = sub.add_parser("inspect", help="summarise a manifest; --verify re-reads every blob")
     inspect.add_argument("manifest")

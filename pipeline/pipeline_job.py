@@ -39,7 +39,6 @@ Resuming: a crashed trainer worker is restarted by Ray Train from the last check
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import threading
 import time
@@ -87,24 +86,6 @@ class PipelineReport:
         return "\n".join(lines)
 
 
-def connect_ray(cfg: PipelineConfig) -> None:
-    """Join the configured cluster, the job's cluster (``ray job submit``), or start one on loopback."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    env = {"env_vars": {k: os.environ[k] for k in ("SPECRAY_CACHE", "SPECRAY_S3_ENDPOINT", "TRITON_INTERPRET",
-                                                   "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-                                                   "AWS_DEFAULT_REGION") if k in os.environ}}
-    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, runtime_env=env, log_to_driver=False)
-    else:  # "local": start one, even when a head node (`ray start`) runs on this machine
-        ray.init(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 runtime_env=env, log_to_driver=False)
-
-
 @contextmanager
 def _stage(report: PipelineReport, name: str, progress: bool):
     if progress:
@@ -122,7 +103,9 @@ def run_pipeline(cfg: PipelineConfig, *, progress: bool = True, resume: bool = F
 
     run_dir = _resumed_run_dir(cfg.run_dir) if resume else _fresh_run_dir(cfg.run_dir)
     report = PipelineReport(cfg.name, cfg.mode, str(run_dir.resolve()))
-    connect_ray(cfg)
+    from specray.actors.cluster import connect
+
+    connect(cfg.ray.address, cfg.ray.num_cpus)
     if cfg.mode == "offline":
         with _stage(report, "capture", progress):
             manifest = _capture(cfg, report, progress, reuse=resume)
@@ -218,7 +201,8 @@ def _bench(cfg: PipelineConfig, report: PipelineReport) -> None:
     b = cfg.bench
     result = bench_serve(target_name=cfg.target.name, drafter_dir=report.drafter_dir, dataset=b.dataset,
                          num_prompts=b.num_prompts, max_tokens=b.max_tokens, batch_sizes=tuple(b.batch_sizes),
-                         png=str(cfg.run_dir / "acceptance.png"), transformers=False, vllm=False)
+                         png=str(cfg.run_dir / "acceptance.png"), transformers=False, vllm=False,
+                         num_speculative_tokens=cfg.serve.engine.num_speculative_tokens)  # what serving runs
     write_json(result, str(cfg.run_dir / "bench.json"))
     report.tau, report.speedup_vs_ar = result.get("tau"), result.get("speedup_vs_ar")
     report.bench = {"json": str((cfg.run_dir / "bench.json").resolve()), "greedy_match": result.get("greedy_match"),

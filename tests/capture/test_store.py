@@ -115,3 +115,42 @@ def test_bad_uris_and_keys(tmp_path):
     store = FeatureStore(str(tmp_path))  # a plain path means file://
     with pytest.raises(ValueError, match="invalid store key"):
         store.put_bytes("../escape", b"x")
+
+
+def test_merge_manifests_of_one_store_and_contract(tmp_path, capsys):
+    from specray.capture.store import merge_manifests
+    from specray.pipeline.cli import main
+
+    store = FeatureStore((tmp_path / "store").as_uri())
+    a_refs = [_put(store, "part1/s0.safetensors", 5), _put(store, "part1/s1.safetensors", 6)]
+    b_refs = [_put(store, "part2/s2.safetensors", 7), a_refs[1]]  # s1 again: the same blob, kept once
+    a = write_manifest(str(tmp_path / "a.parquet"), a_refs, contract=CONTRACT, store_uri=store.uri)
+    b = write_manifest(str(tmp_path / "b.parquet"), b_refs, contract=CONTRACT, store_uri=store.uri)
+    merged = merge_manifests([a, b], str(tmp_path / "ab.parquet"))
+    assert [r.sample_id for r in merged.refs] == ["part1/s0.safetensors", "part1/s1.safetensors",
+                                                   "part2/s2.safetensors"]
+    assert merged.num_tokens == 18 and merged.metadata == {"merged_from": [a, b]}
+    assert all(store.get(r)["input_ids"].shape[0] == r.num_tokens for r in merged.refs)
+
+    other_store = FeatureStore((tmp_path / "other").as_uri())
+    c = write_manifest(str(tmp_path / "c.parquet"), [_put(other_store, "part3/s3.safetensors")], contract=CONTRACT,
+                       store_uri=other_store.uri)
+    with pytest.raises(ValueError, match="a manifest names one store"):
+        merge_manifests([a, c], str(tmp_path / "ac.parquet"))
+    dflash = build_contract("dflash", target_fingerprint="sha256:t", template_fingerprint="sha256:c",
+                            num_target_layers=8, hidden_size=4)
+    ref = store.put("part4/s4.safetensors", _tensors(3), sample_id="part4/s4.safetensors", num_tokens=3,
+                    contract=dflash.contract_id)
+    d = write_manifest(str(tmp_path / "d.parquet"), [ref], contract=dflash, store_uri=store.uri)
+    with pytest.raises(ValueError, match="only features of one contract train one drafter"):
+        merge_manifests([a, d], str(tmp_path / "ad.parquet"))
+    clash = store.put("part5/s0.safetensors", _tensors(4), sample_id="part1/s0.safetensors", num_tokens=4,
+                      contract=CONTRACT.contract_id)
+    e = write_manifest(str(tmp_path / "e.parquet"), [clash], contract=CONTRACT, store_uri=store.uri)
+    with pytest.raises(ValueError, match="sample 'part1/s0.safetensors' of .* differs from an earlier one"):
+        merge_manifests([a, e], str(tmp_path / "ae.parquet"))
+    assert not (tmp_path / "ae.parquet").exists()  # nothing written on error
+    assert main(["merge-manifests", a, b, "--out", str(tmp_path / "cli.parquet")]) == 0
+    assert "3 samples, 18 tokens from 2 manifests" in capsys.readouterr().out
+    assert main(["merge-manifests", a, b, "--out", str(tmp_path / "cli.parquet")]) == 2  # immutable
+    assert "immutable" in capsys.readouterr().err
