@@ -161,22 +161,26 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(Bt, T, self.cfg.num_kv_heads, self.cfg.head_dim).transpose(1, 2)
         return apply_rope(k, positions, self.cfg.rope_theta), v
 
-    def forward(self, x, positions, ctx_k, ctx_v, mask):
-        """x [Bt, Q, D] block states; ctx_k/ctx_v [Bt, Hkv, S, hd]; mask [Bt, Q, S + Q] bool (True = attend)."""
+    def forward(self, x, positions, ctx_k, ctx_v, mask, query_rows: slice | None = None):
+        """x [Bt, Q, D] block states; ctx_k/ctx_v [Bt, Hkv, S, hd]; mask [Bt, Q, S + Q] bool (True = attend).
+
+        ``query_rows``: compute the output of only those block rows (every row still gives its K/V)."""
         Bt, Q, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(Bt, Q, self.cfg.num_heads, self.cfg.head_dim)).transpose(1, 2)
-        q = apply_rope(q, positions, self.cfg.rope_theta)  # [Bt, H, Q, hd]
+        xq, pq, mq = (x, positions, mask) if query_rows is None else (
+            x[:, query_rows], positions[:, query_rows], mask[:, query_rows])
+        Qq = xq.shape[1]
+        q = self.q_norm(self.q_proj(xq).view(Bt, Qq, self.cfg.num_heads, self.cfg.head_dim)).transpose(1, 2)
+        q = apply_rope(q, pq, self.cfg.rope_theta)  # [Bt, H, Qq, hd]
         k_d, v_d = self.project_kv(x, positions)
         k = torch.cat([ctx_k, k_d], dim=2)  # [Bt, Hkv, S + Q, hd]
         v = torch.cat([ctx_v, v_d], dim=2)
-        groups = self.cfg.num_heads // self.cfg.num_kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         S = ctx_k.shape[2]
         bias = torch.zeros(self.cfg.num_heads, 1, S + Q, dtype=q.dtype, device=q.device)
         bias[:, :, S:] = self.block_key_bias.to(q.dtype)[:, None, None]  # in-block keys only
-        logit_bias = bias[None].masked_fill(~mask[:, None], float("-inf"))  # [Bt, H, Q, S + Q]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=logit_bias)  # [Bt, H, Q, hd]
-        return self.o_proj(out.transpose(1, 2).reshape(Bt, Q, -1))
+        logit_bias = bias[None].masked_fill(~mq[:, None], float("-inf"))  # [Bt, H, Qq, S + Q]
+        # Grouped-query attention without copying K/V per query head (head h reads KV head h // g).
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=logit_bias, enable_gqa=True)  # [Bt, H, Qq, hd]
+        return self.o_proj(out.transpose(1, 2).reshape(Bt, Qq, -1))
 
 
 class DFlashLayer(nn.Module):
@@ -189,8 +193,10 @@ class DFlashLayer(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x, positions, ctx_k, ctx_v, mask):
-        x = x + self.attn(self.input_norm(x), positions, ctx_k, ctx_v, mask)
+    def forward(self, x, positions, ctx_k, ctx_v, mask, query_rows: slice | None = None):
+        """``query_rows``: return only those rows (the attention still reads every row's K/V)."""
+        out = self.attn(self.input_norm(x), positions, ctx_k, ctx_v, mask, query_rows)
+        x = (x if query_rows is None else x[:, query_rows]) + out
         h = self.post_norm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
@@ -341,11 +347,16 @@ class DFlashDrafter(nn.Module):
                            dtype=anchor_ids.dtype, device=anchor_ids.device)
         return torch.cat([anchor_ids[..., None], masks], dim=-1)
 
-    def forward_block(self, block_ids, positions, ctx_kv, mask) -> torch.Tensor:
-        """block_ids/positions [Bt, Q]; ctx_kv per layer; mask [Bt, Q, S + Q] -> hidden [Bt, Q, D]."""
+    def forward_block(self, block_ids, positions, ctx_kv, mask, out_rows: slice | None = None) -> torch.Tensor:
+        """block_ids/positions [Bt, Q]; ctx_kv per layer; mask [Bt, Q, S + Q] -> hidden [Bt, Q, D].
+
+        ``out_rows`` returns only those block rows [Bt, |out_rows|, D]: the last layer computes
+        queries, attention output and MLP for them alone (serving, which verifies k ≤ m drafts);
+        earlier layers need every row, whose states feed the next layer's K/V."""
         x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)
-        for layer, (k, v) in zip(self.layers, ctx_kv):
-            x = layer(x, positions, k, v, mask)
+        last = len(self.layers) - 1
+        for i, (layer, (k, v)) in enumerate(zip(self.layers, ctx_kv)):
+            x = layer(x, positions, k, v, mask, out_rows if i == last else None)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

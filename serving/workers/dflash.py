@@ -96,8 +96,8 @@ class DFlashWorker:
         positions = n[:, None] + torch.arange(self.block_size)
         valid = torch.arange(ctx_len)[None, :] < n[:, None]
         mask = block_attention_mask(n[:, None], valid, self.block_size, self.cfg.attention, self.cfg.sliding_window)
-        hidden = self.drafter.forward_block(block, positions, ctx_kv, mask)
-        logits = self.drafter.logits(hidden[:, 1 : self.num_draft_tokens + 1])  # [B, k, V or V_d]
+        rows = slice(1, self.num_draft_tokens + 1)  # the drafts' rows (row 0 is the anchor)
+        logits = self.drafter.logits(self.drafter.forward_block(block, positions, ctx_kv, mask, rows))  # [B, k, V|V_d]
         drafts, qs = [], []
         for b, p in enumerate(params):
             if p.greedy:

@@ -197,3 +197,21 @@ def test_bad_draft_vocabularies_are_refused():
     small.draft_vocab.copy_(torch.tensor([4, 4, 9]))  # e.g. a tampered export
     with pytest.raises(ValueError, match="distinct"):
         small.validate_state()
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_forward_block_of_some_rows_equals_those_rows_of_the_whole_block(num_layers):
+    torch.manual_seed(0)
+    cfg = DFlashConfig(hidden_size=D, vocab_size=V, target_layer_ids=(1, 2, 3), mask_token_id=4,
+                       num_layers=num_layers, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, block_size=4)
+    model = DFlashDrafter(cfg, embed_tokens=nn.Embedding(V, D), lm_head=nn.Linear(D, V, bias=False)).eval()
+    S = 9
+    ctx = model.project_context(torch.randn(1, S, L * D))
+    kv = model.context_kv(ctx, torch.arange(S)[None])
+    block = model.block_inputs(torch.tensor([[7]]))[0]
+    positions = S + torch.arange(4)[None]
+    mask = block_attention_mask(torch.tensor([[S]]), torch.ones(1, S, dtype=torch.bool), 4)
+    with torch.no_grad():
+        full = model.forward_block(block, positions, kv, mask)
+        for rows in (slice(1, 2), slice(1, 3), slice(1, 4)):
+            torch.testing.assert_close(model.forward_block(block, positions, kv, mask, rows), full[:, rows])
