@@ -207,7 +207,8 @@ def _bench(cfg: PipelineConfig, report: PipelineReport) -> None:
     report.tau, report.speedup_vs_ar = result.get("tau"), result.get("speedup_vs_ar")
     report.bench = {"json": str((cfg.run_dir / "bench.json").resolve()), "greedy_match": result.get("greedy_match"),
                     "tokens_per_s": {f"{r['system']}@{r['batch_size']}": round(r["tokens_per_s"], 2) for r in result["runs"]},
-                    "accept_rate_by_pos": result.get("accept_rate_by_pos")}
+                    "accept_rate_by_pos": result.get("accept_rate_by_pos"),
+                    "num_speculative_tokens": result.get("num_speculative_tokens")}
 
 
 def _train_online(cfg: PipelineConfig, report: PipelineReport, progress: bool) -> str:

@@ -72,5 +72,6 @@ def draft_vocabulary(manifest: Manifest, store: BlobStore, size: int, *, source:
     if total == 0:
         raise ValueError(f"{source} has no supervised tokens to build a draft vocabulary from")
     ids = top_tokens(counts, size)
-    return DraftVocabulary(token_ids=ids.tolist(), coverage=float(counts[ids].sum()) / total,
+    covered = int(counts[ids[ids < len(counts)]].sum())  # ids past the counts (never seen) cover nothing
+    return DraftVocabulary(token_ids=ids.tolist(), coverage=covered / total,
                            counted_tokens=total, source=source)

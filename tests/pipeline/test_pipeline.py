@@ -32,6 +32,7 @@ def test_ray_job_submit_quickstart_with_tiny_override(ray_cluster, tmp_path):
 
     run_dir = tmp_path / "quickstart"
     entrypoint = " ".join(["specray", "pipeline", "run", "-q", "manifests/quickstart.yaml", *TINY,
+                           "train.drafter.draft_vocab_size=128",  # the debug target has 259 tokens
                            f"output.run_dir={run_dir}", f"serve.http.port={free_port()}"])
     job = subprocess.run(["ray", "job", "submit", "--address", ray_cluster.dashboard_url, "--working-dir", ".",
                           "--", *entrypoint.split()], capture_output=True, text=True, timeout=600)
@@ -44,6 +45,9 @@ def test_ray_job_submit_quickstart_with_tiny_override(ray_cluster, tmp_path):
     assert report["train"]["steps"] == 4
     assert report["serve"]["version"] == 1 and report["serve"]["smoke_requests"] == 2
     assert (run_dir / "exports" / "final" / "model.safetensors").exists()
+    architecture = json.loads((run_dir / "exports" / "final" / "config.json").read_text())["architecture"]
+    assert architecture["draft_vocab_size"] == 128  # counted by the gang from the capture's manifest
+    assert report["bench"]["num_speculative_tokens"] == 1  # the manifest's serve.engine setting
     assert report["drafter_dir"] == str((run_dir / "exports" / "final").resolve())
     assert "tau" in job.stdout and "report" in job.stdout  # the job log ends with the report table
 

@@ -42,6 +42,8 @@ def test_draft_vocabulary_counts_supervised_tokens_of_a_manifest(tmp_path):
     assert supervised_token_counts(manifest, store).tolist() == [0, 1, 1, 0, 0, 3, 0, 1, 0, 3]
     vocab = draft_vocabulary(manifest, store, 3, source="m")
     assert vocab.token_ids == [1, 5, 9] and vocab.coverage == pytest.approx(7 / 9) and vocab.counted_tokens == 9
+    wide = draft_vocabulary(manifest, store, 12, source="m")  # more ids than were ever seen (max id 9)
+    assert wide.token_ids == list(range(12)) and wide.coverage == 1.0
     vocab.save(tmp_path / "v.json")
     assert DraftVocabulary.load(tmp_path / "v.json") == vocab
     blob = tmp_path / "store" / manifest.refs[0].key
