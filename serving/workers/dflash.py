@@ -29,10 +29,10 @@ from specray.serving.sampling import process
 
 class DFlashWorker:
     """``num_draft_tokens`` (k ≤ m = B − 1, default m) caps the drafts verified per round. The
-    drafter still runs its whole block of B rows (its positions attend to each other), but only
-    rows 1 … k go through the LM head and the target: when acceptance falls off after a few
-    positions, verifying fewer rows makes a round cheaper without changing what it can accept
-    up to k.
+    drafter still feeds its whole block of B rows to attention (its positions attend to each
+    other), but only rows 1 … k go through its last layer's queries and MLP, the LM head and the
+    target: when acceptance falls off after a few positions (docs/benchmarks.md: 0.26, then
+    ~0.02), verifying fewer rows makes a round cheaper and loses only what k could not accept.
     """
 
     def __init__(self, runner: LlamaRunner, drafter: DFlashDrafter, *, num_draft_tokens: int | None = None):
