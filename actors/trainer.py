@@ -241,7 +241,7 @@ class _GangRank:
             self.store = open_store(manifest.store_uri, endpoint_url=cfg.data.endpoint_url)
             provenance = {"manifest": cfg.data.manifest, "samples": len(manifest.refs)}
         parts = build_rank(cfg, contract, rank=rank, world_size=world_size, provenance=provenance,
-                           draft_vocab=None if self.online else prepare_draft_vocab(cfg, manifest, self.store))
+                           draft_vocab=spec.get("draft_vocab"))
         if self.online:  # FeatureLoader checks a manifest's contract itself
             parts.expected.check_compatible(contract, what="the stream's features")
         self.core, self.extra = parts.core, parts.extra
@@ -626,6 +626,10 @@ def run_trainer_gang(
         stream = _check_stream(broker, cfg, quantum)
         spec.update(broker=broker, contract=stream["contract"], store_uri=stream["store_uri"],
                     endpoint_url=stream["endpoint_url"])
+    elif cfg.drafter.draft_vocab_size is not None:  # counted once here, not by every rank
+        manifest = read_manifest(cfg.data.manifest, endpoint_url=cfg.data.endpoint_url)
+        spec["draft_vocab"] = prepare_draft_vocab(cfg, manifest,
+                                                  open_store(manifest.store_uri, endpoint_url=cfg.data.endpoint_url))
     filesystem = storage_filesystem(storage_path)
     trainer = TorchTrainer(
         _gang_worker, train_loop_config=spec,

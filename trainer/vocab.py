@@ -31,7 +31,7 @@ class DraftVocabulary:
     source: str  # what was counted (a manifest URI)
 
     def save(self, path: str | Path) -> None:
-        """Atomically (ranks of a gang may write the same file)."""
+        """Atomically: a run killed mid-write must not leave a half file for its resume to load."""
         path = Path(path)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(asdict(self)) + "\n")
