@@ -155,6 +155,8 @@ def test_inference_logits_of_a_few_rows_equal_the_linear_heads():
     slow = model.lm_head(hidden)
     assert fast.shape == (2, 3, V)
     torch.testing.assert_close(fast, slow.detach(), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # a lone row runs as a 2-row product; only its own row comes back
+        torch.testing.assert_close(model.logits(hidden[:1, :1]), slow.detach()[:1, :1], rtol=1e-5, atol=1e-5)
     with_grad = model.logits(hidden)  # training: nn.Linear itself, bit for bit, differentiable
     assert with_grad.requires_grad
     torch.testing.assert_close(with_grad, slow, rtol=0, atol=0)
