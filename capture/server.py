@@ -67,6 +67,38 @@ def pad_batch(samples: Sequence[RenderedSample], pad_token_id: int) -> tuple[tor
     return input_ids, attention_mask
 
 
+@torch.inference_mode()
+def decoder_layer_outputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer_ids: Sequence[int], *,
+                          last_hidden: bool = False) -> dict[int | str, torch.Tensor]:
+    """``{layer id: [B, T, D]}`` decoder-layer outputs of a HF Llama-family causal LM (plus
+    ``"norm"``: the final norm's output when ``last_hidden``), on the model's device, in its dtype.
+
+    Forward hooks collect them and the forward stops after the deepest module needed: neither
+    the remaining layers nor the LM head run."""
+    layers, norm = model.model.layers, model.model.norm
+    outputs: dict[int | str, torch.Tensor] = {}
+    deepest = "norm" if last_hidden else max(layer_ids)
+
+    def hook(name: int | str):
+        def fn(module, args, output):
+            outputs[name] = output[0] if isinstance(output, tuple) else output  # [B, T, D]
+            if name == deepest:
+                raise _StopForward
+        return fn
+
+    handles = [layers[i].register_forward_hook(hook(i)) for i in layer_ids]
+    if last_hidden:
+        handles.append(norm.register_forward_hook(hook("norm")))
+    try:
+        model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    except _StopForward:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return outputs
+
+
 class CaptureServer:
     """Frozen target + contract + store; ``capture(samples) -> SampleRefs``."""
 
@@ -80,8 +112,6 @@ class CaptureServer:
         self.store = store
         self.key_prefix = key_prefix.strip("/")
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="specray-store")
-        self._layers = target.model.model.layers
-        self._norm = target.model.model.norm
 
     def close(self) -> None:
         self._io.shutdown(wait=True)
@@ -96,27 +126,8 @@ class CaptureServer:
         """One padded forward; per-sample feature dicts, unpadded, in the storage dtype."""
         input_ids, attention_mask = pad_batch(samples, self.target.pad_token_id)
         device = self.target.model.device
-        outputs: dict[int | str, torch.Tensor] = {}
-        deepest = "norm" if self.contract.last_hidden else max(self.contract.layer_ids)
-
-        def hook(name: int | str):
-            def fn(module, args, output):
-                outputs[name] = output[0] if isinstance(output, tuple) else output  # [B, T, D]
-                if name == deepest:
-                    raise _StopForward
-            return fn
-
-        handles = [self._layers[i].register_forward_hook(hook(i)) for i in self.contract.layer_ids]
-        if self.contract.last_hidden:
-            handles.append(self._norm.register_forward_hook(hook("norm")))
-        try:
-            self.target.model.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
-        except _StopForward:
-            pass
-        finally:
-            for handle in handles:
-                handle.remove()
-
+        outputs = decoder_layer_outputs(self.target.model, input_ids.to(device), attention_mask.to(device),
+                                        self.contract.layer_ids, last_hidden=self.contract.last_hidden)
         dtype = self.contract.torch_dtype
         hidden = torch.cat([outputs[i] for i in self.contract.layer_ids], dim=-1).to(dtype)  # [B, T, L*D]
         last = outputs["norm"].to(dtype) if self.contract.last_hidden else None  # [B, T, D]

@@ -2,8 +2,8 @@
 
 AdamW (no weight decay on norms), linear warmup then cosine decay to ``min_lr_ratio × lr``,
 gradient accumulation (DDP ``no_sync`` on every micro-batch but the last), global-norm
-clipping, optional bf16 autocast. Works on a bare module or under
-``torch.distributed`` (gloo on CPU): the same code runs as a Ray Train gang later.
+clipping, optional bf16 autocast (on the parameters' device, CPU or CUDA). Works on a bare
+module or under ``torch.distributed`` (gloo on CPU): the same code runs as a Ray Train gang later.
 
 The strategy's random anchors come from a generator keyed by (step, global micro-batch index
 ``rank × accumulation + i``), so 1 rank × 2 accumulation steps and 2 ranks × 1 draw the same
@@ -75,8 +75,10 @@ class TrainerCore:
             [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=settings.lr, betas=settings.betas, eps=settings.eps,
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, settings))
+        # reads self.settings at each step: a time-budgeted run may set total_steps during warmup
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, self.settings))
         self._params = params
+        self._device_type = params[0].device.type if params else "cpu"  # autocast's device ("cpu" or "cuda")
 
     def train_step(self, micro_batches: list[TrainBatch], step: int) -> StepResult:
         accum = self.settings.accumulation_steps
@@ -90,7 +92,7 @@ class TrainerCore:
             sync = not self.distributed or i == accum - 1
             with contextlib.nullcontext() if sync else self.train_model.no_sync():
                 start = time.perf_counter()
-                autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.settings.bf16)
+                autocast = torch.autocast(self._device_type, dtype=torch.bfloat16, enabled=self.settings.bf16)
                 with autocast:
                     generator = self.strategy.generator(step, self.rank * accum + i)
                     loss, metric = self.strategy.forward_loss(self.train_model, self.model_config, batch, generator)

@@ -1,8 +1,12 @@
 """kernels/rejection.py: hand-built greedy and sampling cases, seeded determinism, statistical
 losslessness (and its failure with the wrong q), Triton kernel == reference, input checks.
 
-Run: ``pytest -q tests/kernels/test_rejection.py`` (conftest sets TRITON_INTERPRET=1).
+Run: ``pytest -q tests/kernels/test_rejection.py`` (conftest sets TRITON_INTERPRET=1). On a
+CUDA machine, ``TRITON_INTERPRET=0 pytest -q tests/kernels -k cuda`` runs the compiled kernel
+against the reference (the ``cuda`` tests skip elsewhere).
 """
+
+import os
 
 import pytest
 import torch
@@ -222,6 +226,52 @@ def test_triton_matches_reference(greedy):
     assert 1 < emitted.float().mean() < m + 1, "the batch should mix acceptances and rejections"
     if greedy:
         assert out[2, 0] == 5 and out[3, 1] == 66
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                          reason="needs a CUDA GPU and compiled Triton (TRITON_INTERPRET=0)")
+
+
+@CUDA
+@pytest.mark.parametrize("shape", [(12, 4, 150), (64, 7, 49152)], ids=["small", "smollm2_vocab"])
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampling"])
+def test_triton_cuda_matches_reference(greedy, shape):
+    """The compiled kernel on a GPU emits exactly what the CPU reference emits, at the real vocab size."""
+    R, m, V = shape
+    p, q, d, n = random_batch(R, m, V, seed=3, sharp=0.5)
+    if greedy:  # most drafts are the row argmax, so blocks are accepted at various lengths
+        d = torch.where(torch.rand(R, m, generator=torch.Generator().manual_seed(4)) < 0.8, p[:, :m].argmax(-1), d)
+    g = torch.Generator().manual_seed(5)
+    u = torch.rand((R, m), generator=g)
+    E = torch.empty(R, V).exponential_(generator=g)
+    extra = (None, None, None) if greedy else (q, u, E)
+    ref = rejection_sample_reference(p, d, n.int(), *extra)
+    cuda = [t if t is None else t.cuda() for t in (p, d, n.int(), *extra)]
+    out, emitted = rejection_sample(*cuda, use_triton=True)
+    assert out.is_cuda and (out != -999).all() and (emitted != -999).all(), "the kernel left slots unwritten"
+    assert torch.equal(out.cpu(), ref[0]), (out.cpu(), ref[0])
+    assert torch.equal(emitted.cpu(), ref[1])
+    assert 1 < emitted.float().mean() < m + 1, "the batch should mix acceptances and rejections"
+
+
+@CUDA
+def test_output_distribution_matches_target_cuda():
+    """The statistical losslessness test through the compiled kernel (q != p; uniforms drawn on the CPU)."""
+    R, m = N_STAT, M_STAT - 1
+    g = torch.Generator().manual_seed(0)
+    p = P_STAT.expand(R, M_STAT, V_STAT).contiguous()
+    d = torch.multinomial(Q_PEAKED, R * m, replacement=True, generator=g).reshape(R, m)
+    n = torch.randint(0, m + 1, (R,), generator=g)
+    q = Q_PEAKED.expand(R, m, V_STAT).contiguous()
+    u = torch.rand((R, m), generator=g)
+    E = torch.empty(R, V_STAT).exponential_(generator=g)
+    out, emitted = (t.cpu() for t in rejection_sample(*(t.cuda() for t in (p, d, n, q, u, E)), use_triton=True))
+    for k in range(M_STAT):
+        tokens = out[emitted > k, k]
+        count = torch.bincount(tokens, minlength=V_STAT).double()
+        expected = P_STAT[k].double() * len(tokens)
+        chi2 = float(((count - expected) ** 2 / expected).sum())
+        assert len(tokens) > 1000 and chi2 < CHI2_CRIT_DF4, f"position {k}: chi2 {chi2:.1f} over {len(tokens)}"
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -45,8 +45,11 @@ def valid_anchor_mask(loss_mask: torch.Tensor) -> torch.Tensor:
 
 
 def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
-    """[Bt, N] sorted anchor positions, −1 where a sequence has fewer than N valid anchors."""
-    valid = valid_anchor_mask(loss_mask)
+    """[Bt, N] sorted anchor positions, −1 where a sequence has fewer than N valid anchors.
+
+    Drawn on the CPU from the (CPU) ``generator`` whatever device ``loss_mask`` is on, so a CUDA
+    run draws the same anchors as a CPU run; returned on ``loss_mask``'s device."""
+    valid = valid_anchor_mask(loss_mask.cpu())
     anchors = torch.full((loss_mask.shape[0], num_anchors), -1, dtype=torch.long)
     for row in range(loss_mask.shape[0]):
         candidates = valid[row].nonzero().flatten()
@@ -54,7 +57,7 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
             pick = torch.randperm(len(candidates), generator=generator)[:num_anchors]
             candidates = candidates[pick].sort().values
         anchors[row, : len(candidates)] = candidates
-    return anchors
+    return anchors.to(loss_mask.device)
 
 
 def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, block_size: int):

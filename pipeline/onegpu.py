@@ -1,0 +1,419 @@
+"""Self-distillation on one accelerator, in one process: regenerate → features in memory → train.
+
+    python -m specray.pipeline.onegpu run --prompts P.jsonl[.gz] --out DIR --device cuda \\
+        --variants '[{"name": "l1"}, {"name": "l2", "num_layers": 2}]'
+    python -m specray.pipeline.onegpu export DIR/l1.safetensors --out runs/onegpu-l1/exports/final
+
+The Ray pipeline (capture servers → object store → trainer gang, ``specray capture`` /
+``specray train``) is the path that scales out. This is the path for a single machine whose
+accelerator holds every feature at once (an H200 holds ~15k ShareGPT answers × 6 target layers
+in bf16): no object store, no Ray, and the answers, the features and the drafters are made in
+one sitting. It is built from the pipeline's own parts, so what it trains is what the pipeline
+would train on the same data:
+
+- **answers**: the target's greedy answer to the first user turn of each prompt, up to
+  ``max_new_tokens`` (what ``specray regenerate`` writes, same JSONL format). They come from
+  transformers ``generate`` on left-padded batches rather than from our engine (whose runner is
+  a CPU runner); with fp32 weights and TF32 matmuls a near-tie can resolve differently from the
+  CPU engine, which changes which answer is in the data, not how it is used;
+- **samples**: ``ChatRenderer`` (same template, truncation and loss mask as ``specray capture``);
+- **features**: ``decoder_layer_outputs`` (the hooks ``CaptureServer`` uses), rounded to bf16,
+  the DFlash contract's storage dtype, and kept on the device;
+- **training**: ``DFlashStrategy`` + ``TrainerCore`` (same objective, anchors, optimizer and
+  schedule). Several drafter variants train side by side on the same batches in the same run, so
+  their held-out accuracies compare like for like. ``train_seconds`` is a budget: the step time
+  is measured during warmup and ``total_steps`` set to fit it, so the cosine schedule completes;
+- **draft vocabulary**: ``top_tokens`` over the supervised tokens of the training split.
+
+``run`` writes to ``--out``: ``answers.jsonl`` (+ ``.gz``), one ``<variant>.safetensors`` per
+variant (bf16 weights plus the draft vocabulary, with the drafter config and a digest of the
+target's weights in the header) and ``summary.json`` (held-out per-position accuracy, timings).
+The weights travel as bf16 (half the bytes of an export) and ``export`` turns a variant file into
+a normal export (``drafters/format.py``), on any machine with the same target: it refuses a file
+whose target digest differs from the local target's, since its drafter read another model's
+hidden states.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import random
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from specray.capture.contract import build_contract
+from specray.capture.data import ChatRenderer, Conversation, RenderedSample
+from specray.capture.server import decoder_layer_outputs
+from specray.capture.target import DEFAULT_TARGET, Target, load_target
+from specray.drafters.dflash import DFlashConfig, DFlashDrafter
+from specray.drafters.format import save_drafter
+from specray.pipeline.train_job import default_mask_token_id
+from specray.trainer.core import OptimSettings, TrainerCore
+from specray.trainer.loader import TrainBatch
+from specray.trainer.strategies.dflash import DFlashStrategy
+from specray.trainer.vocab import top_tokens
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One drafter trained in the run. Sizes left None are the target's (as ``specray train``)."""
+
+    name: str
+    num_layers: int = 1
+    block_size: int = 8
+    layer_ids: tuple[int, ...] | None = None  # None: the DFlash contract's default spread
+    draft_vocab_size: int | None = 8192
+    lr: float = 1e-3
+
+    @classmethod
+    def parse(cls, data: dict) -> "Variant":
+        known = {"name", "num_layers", "block_size", "layer_ids", "draft_vocab_size", "lr"}
+        unknown = set(data) - known
+        if unknown or "name" not in data:
+            raise ValueError(f"a variant is a JSON object with 'name' and any of {sorted(known - {'name'})}; got {data}")
+        if not str(data["name"]).replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"variant name {data['name']!r}: use letters, digits, '-' and '_' (it names a file)")
+        if data.get("layer_ids") is not None:
+            data = dict(data, layer_ids=tuple(data["layer_ids"]))
+        return cls(**data)
+
+
+@dataclass
+class Features:
+    """Every sample's features, packed: ``hidden[offsets[i] : offsets[i] + lengths[i]]`` is sample i."""
+
+    layer_ids: tuple[int, ...]  # column blocks of ``hidden``, in this order
+    hidden: torch.Tensor  # [N_tokens, len(layer_ids) * D] bf16, on the device
+    input_ids: torch.Tensor  # [N_tokens] int64, on the device
+    loss_mask: torch.Tensor  # [N_tokens] bool, on the device
+    offsets: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+
+    def batch(self, indices: list[int], layer_ids: tuple[int, ...], hidden_size: int) -> TrainBatch:
+        """A right-padded ``TrainBatch`` of the given samples, with the columns of ``layer_ids``."""
+        cols = torch.cat([torch.arange(hidden_size) + self.layer_ids.index(i) * hidden_size for i in layer_ids])
+        cols = cols.to(self.hidden.device)
+        B, T = len(indices), max(self.lengths[i] for i in indices)
+        device = self.hidden.device
+        input_ids = torch.zeros((B, T), dtype=torch.long, device=device)
+        loss_mask = torch.zeros((B, T), dtype=torch.bool, device=device)
+        attention = torch.zeros((B, T), dtype=torch.bool, device=device)
+        hidden = torch.zeros((B, T, len(cols)), dtype=torch.float32, device=device)
+        for row, i in enumerate(indices):
+            start, n = self.offsets[i], self.lengths[i]
+            input_ids[row, :n] = self.input_ids[start:start + n]
+            loss_mask[row, :n] = self.loss_mask[start:start + n]
+            attention[row, :n] = True
+            hidden[row, :n] = self.hidden[start:start + n].index_select(1, cols).float()
+        return TrainBatch(input_ids, loss_mask, attention, hidden, None, [str(i) for i in indices],
+                          sum(self.lengths[i] for i in indices))
+
+
+def target_digest(target: Target) -> str:
+    """sha256 over the target's parameters as fp32 bytes, by name: equal iff the same function
+    (unlike the directory fingerprint, it does not depend on how the weights were serialised)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(target.model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
+    return "sha256:" + digest.hexdigest()
+
+
+def read_prompts(path: str | Path) -> list[tuple[str, str]]:
+    """``(id, prompt)`` from JSONL lines ``{"id", "prompt"}`` (gzip if the name ends in .gz)."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [(str(r["id"]), str(r["prompt"])) for r in rows]
+
+
+@torch.inference_mode()
+def generate_answers(target: Target, prompts: list[tuple[str, str]], *, batch_size: int, max_new_tokens: int,
+                     seconds: float, out: Path, seed: int = 0, log=print) -> list[Conversation]:
+    """Greedy answers in left-padded batches of similar length, batches in a seeded random order,
+    until ``seconds`` have passed; each finished batch is appended to ``out`` (JSONL)."""
+    tok, model = target.tokenizer, target.model
+    device = model.device
+    encoded = [(pid, text, tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                   tokenize=True, return_dict=True)["input_ids"])
+               for pid, text in prompts]
+    encoded.sort(key=lambda e: len(e[2]))
+    batches = [encoded[i:i + batch_size] for i in range(0, len(encoded), batch_size)]
+    random.Random(seed).shuffle(batches)
+    eos, pad = tok.eos_token_id, target.pad_token_id
+    start, conversations, tokens = time.perf_counter(), [], 0
+    with open(out, "a") as f:
+        for number, batch in enumerate(batches):
+            if time.perf_counter() - start > seconds:
+                log(f"generate: time budget reached after {number}/{len(batches)} batches")
+                break
+            width = max(len(e[2]) for e in batch)
+            ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, (_, _, prompt_ids) in enumerate(batch):
+                ids[row, width - len(prompt_ids):] = torch.tensor(prompt_ids)
+                mask[row, width - len(prompt_ids):] = 1
+            generated = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                                       max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
+                                       temperature=None, top_p=None, top_k=None)[:, width:].cpu()
+            for (pid, text, _), row in zip(batch, generated.tolist()):
+                answer = row[: row.index(eos)] if eos in row else row
+                tokens += len(answer)
+                reply = tok.decode(answer, skip_special_tokens=False)  # as the engine (and regenerate) decode
+                conversations.append(Conversation(pid, (("user", text), ("assistant", reply))))
+                f.write(json.dumps({"id": pid, "messages": [{"role": "user", "content": text},
+                                                            {"role": "assistant", "content": reply}]}) + "\n")
+            f.flush()
+            log(f"generate: batch {number + 1}/{len(batches)}: {len(conversations)} answers, {tokens} tokens, "
+                f"{time.perf_counter() - start:.0f} s")
+    return conversations
+
+
+@torch.inference_mode()
+def extract_features(target: Target, samples: list[RenderedSample], layer_ids: tuple[int, ...], *,
+                     max_batch_tokens: int = 65536) -> Features:
+    """Decoder-layer outputs of every sample, bf16, packed on the target's device."""
+    device = target.model.device
+    order = sorted(range(len(samples)), key=lambda i: samples[i].num_tokens)
+    lengths = [s.num_tokens for s in samples]
+    offsets = [0] * len(samples)
+    total = 0
+    for i in range(len(samples)):
+        offsets[i], total = total, total + lengths[i]
+    width = len(layer_ids) * target.hidden_size
+    feats = Features(layer_ids, torch.empty((total, width), dtype=torch.bfloat16, device=device),
+                     torch.empty(total, dtype=torch.long, device=device),
+                     torch.empty(total, dtype=torch.bool, device=device), offsets, lengths)
+    batch: list[int] = []
+
+    def flush():
+        T = max(lengths[i] for i in batch)
+        ids = torch.full((len(batch), T), target.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), T), dtype=torch.long)
+        for row, i in enumerate(batch):  # right padding: each real token's features equal its solo run
+            ids[row, : lengths[i]] = samples[i].input_ids
+            mask[row, : lengths[i]] = 1
+        out = decoder_layer_outputs(target.model, ids.to(device), mask.to(device), layer_ids)
+        hidden = torch.cat([out[i] for i in layer_ids], dim=-1).to(torch.bfloat16)
+        for row, i in enumerate(batch):
+            s, n = offsets[i], lengths[i]
+            feats.hidden[s:s + n] = hidden[row, :n]
+            feats.input_ids[s:s + n] = samples[i].input_ids.to(device)
+            feats.loss_mask[s:s + n] = samples[i].loss_mask.to(device)
+
+    for i in order:
+        if batch and (len(batch) + 1) * max(lengths[i], *(lengths[j] for j in batch)) > max_batch_tokens:
+            flush()
+            batch = []
+        batch.append(i)
+    if batch:
+        flush()
+    return feats
+
+
+def variant_config(variant: Variant, target: Target) -> DFlashConfig:
+    """The drafter config ``specray train`` would build for these settings (sizes from the target)."""
+    tcfg = target.model.config
+    layer_ids = variant.layer_ids
+    if layer_ids is None:
+        layer_ids = build_contract("dflash", target_fingerprint="-", template_fingerprint="-",
+                                   num_target_layers=target.num_layers, hidden_size=target.hidden_size).layer_ids
+    return DFlashConfig(
+        hidden_size=target.hidden_size, vocab_size=target.vocab_size, target_layer_ids=tuple(layer_ids),
+        mask_token_id=default_mask_token_id(target.tokenizer), num_layers=variant.num_layers,
+        num_heads=tcfg.num_attention_heads, num_kv_heads=tcfg.num_key_value_heads,
+        head_dim=getattr(tcfg, "head_dim", None) or target.hidden_size // tcfg.num_attention_heads,
+        intermediate_size=tcfg.intermediate_size, block_size=variant.block_size,
+        draft_vocab_size=variant.draft_vocab_size, rms_norm_eps=tcfg.rms_norm_eps,
+        rope_theta=float((getattr(tcfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
+    )
+
+
+def run(args: argparse.Namespace, log=print) -> dict:
+    t0 = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    variants = [Variant.parse(v) for v in json.loads(args.variants)]
+    if len({v.name for v in variants}) != len(variants):
+        raise ValueError("variant names must be distinct")
+    if args.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    target = load_target(args.target, device=args.device)
+    digest = target_digest(target)
+    t_load = time.perf_counter()
+    log(f"target {args.target} on {args.device}: {digest[:23]}… ({t_load - t0:.0f} s)")
+
+    prompts = read_prompts(args.prompts)[: args.max_prompts]
+    conversations = generate_answers(target, prompts, batch_size=args.gen_batch_size, max_new_tokens=args.max_new_tokens,
+                                     seconds=args.gen_seconds, out=out / "answers.jsonl", seed=args.seed, log=log)
+    t_gen = time.perf_counter()
+
+    renderer = ChatRenderer(target.tokenizer, max_length=args.max_length)
+    samples = [s for s in (renderer.render(c) for c in conversations) if s is not None]
+    # held out by id, not by position: the same answer is held out whatever the generation order
+    is_held = [int(hashlib.sha256(s.sample_id.encode()).hexdigest(), 16) % 100 < args.heldout_percent for s in samples]
+    held = [s for s, h in zip(samples, is_held) if h]
+    train = [s for s, h in zip(samples, is_held) if not h]
+    configs = {v.name: variant_config(v, target) for v in variants}
+    layer_ids = tuple(sorted({i for c in configs.values() for i in c.target_layer_ids}))
+    feats = extract_features(target, train + held, layer_ids)
+    train_idx, held_idx = list(range(len(train))), list(range(len(train), len(train) + len(held)))
+    supervised = torch.cat([s.input_ids[s.loss_mask] for s in train])
+    counts = torch.bincount(supervised, minlength=target.vocab_size)
+    t_feat = time.perf_counter()
+    log(f"features: {len(train)} train + {len(held)} held-out samples, {sum(feats.lengths)} tokens, "
+        f"{int(counts.sum())} supervised, layers {layer_ids} ({t_feat - t_gen:.0f} s)")
+
+    strategy = DFlashStrategy(num_anchors=args.num_anchors, gamma=args.gamma, seed=args.seed)
+    cores: dict[str, TrainerCore] = {}
+    coverage: dict[str, float] = {}
+    for v in variants:
+        cfg = configs[v.name]
+        torch.manual_seed(args.seed)
+        model = strategy.build_model(cfg, embed_tokens=target.model.model.embed_tokens, lm_head=target.model.lm_head,
+                                     final_norm=target.model.model.norm).to(args.device)
+        if cfg.draft_vocab_size is not None:
+            vocab = top_tokens(counts, cfg.draft_vocab_size)
+            model.set_draft_vocab(vocab)
+            coverage[v.name] = float(counts[vocab].sum() / counts.sum())
+        settings = OptimSettings(lr=v.lr, warmup_steps=args.warmup_steps, total_steps=10**9, min_lr_ratio=0.1, grad_clip=1.0)
+        cores[v.name] = TrainerCore(model, strategy, cfg, settings)
+
+    rng = random.Random(args.seed)
+    order: list[int] = []
+    step, history = 0, []
+    t_train = time.perf_counter()
+    total = None
+    while total is None or step < total:
+        if not order:
+            order = train_idx[:]
+            rng.shuffle(order)
+        indices, order = order[: args.batch_size], order[args.batch_size:]
+        losses = {}
+        for v in variants:
+            core = cores[v.name]
+            batch = feats.batch(indices, configs[v.name].target_layer_ids, target.hidden_size)
+            losses[v.name] = core.train_step([batch], step).loss
+        step += 1
+        if total is None and step == args.warmup_steps:
+            # the schedule's cosine starts after warmup: fix total_steps to the budget now
+            per_step = (time.perf_counter() - t_train) / step
+            budget = args.train_seconds
+            if args.deadline_seconds is not None:  # leave time to evaluate and save before the deadline
+                budget = min(budget, args.deadline_seconds - (time.perf_counter() - t0) - args.reserve_seconds
+                             + (time.perf_counter() - t_train))
+            total = max(step + 1, int(budget / per_step))
+            for core in cores.values():
+                core.settings = replace(core.settings, total_steps=total)
+            log(f"train: {per_step * 1000:.0f} ms/step for {len(variants)} variants -> {total} steps")
+        if step % args.log_every == 0 or step == total:
+            history.append({"step": step, **losses})
+            log(f"train: step {step}/{total}: " + ", ".join(f"{k} {x:.3f}" for k, x in losses.items()))
+    t_end = time.perf_counter()
+
+    results = {}
+    for v in variants:
+        core, cfg = cores[v.name], configs[v.name]
+        core.model.eval()
+        sums: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for start in range(0, len(held_idx), args.batch_size):
+                batch = feats.batch(held_idx[start:start + args.batch_size], cfg.target_layer_ids, target.hidden_size)
+                _, metric = strategy.forward_loss(core.model, cfg, batch, strategy.generator(0, 10**6 + start))
+                for name, value in metric.items():
+                    sums[name] = sums.get(name, 0) + value
+        summary = strategy.summarize(sums) if sums else {}
+        results[v.name] = {"config": cfg.to_dict(), "heldout": summary, "coverage": coverage.get(v.name)}
+        state = {k: (t.to(torch.bfloat16) if t.is_floating_point() else t).detach().cpu().contiguous()
+                 for k, t in core.model.state_dict().items()}
+        save_file(state, out / f"{v.name}.safetensors",
+                  metadata={"config": json.dumps(cfg.to_dict()), "target_digest": digest, "target": args.target,
+                            "steps": str(step), "train_samples": str(len(train))})
+        acc = summary.get("acc_by_pos", [])
+        log(f"{v.name}: held-out acc by position {[round(a, 3) for a in acc]}, tau_tf {summary.get('tau_tf', 0):.3f}")
+
+    report = {
+        "target": args.target, "target_digest": digest, "device": args.device,
+        "answers": len(conversations), "train_samples": len(train), "heldout_samples": len(held),
+        "tokens": sum(feats.lengths), "supervised_tokens": int(counts.sum()), "steps": step,
+        "batch_size": args.batch_size, "variants": results, "history": history,
+        "seconds": {"load": t_load - t0, "generate": t_gen - t_load, "features": t_feat - t_gen,
+                    "train": t_end - t_train, "total": time.perf_counter() - t0},
+    }
+    (out / "summary.json").write_text(json.dumps(report, indent=2) + "\n")
+    with open(out / "answers.jsonl", "rb") as src, gzip.open(out / "answers.jsonl.gz", "wb") as dst:
+        dst.write(src.read())
+    return report
+
+
+def export(variant_file: str | Path, out_dir: str | Path, *, target_name: str = DEFAULT_TARGET) -> Path:
+    """Turn a ``run`` variant file into an export for the local target (refused for another target)."""
+    with safe_open(str(variant_file), "pt") as f:
+        meta = f.metadata()
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    target = load_target(target_name)
+    local = target_digest(target)
+    if meta["target_digest"] != local:
+        raise ValueError(f"{variant_file} was trained on a target with weight digest {meta['target_digest']}, "
+                         f"but {target_name} here has {local}: its drafter read another model's hidden states")
+    config = json.loads(meta["config"])
+    cfg = DFlashConfig.from_dict(dict(config, target_layer_ids=tuple(config["target_layer_ids"])))
+    model = DFlashDrafter(cfg, embed_tokens=target.model.model.embed_tokens, lm_head=target.model.lm_head)
+    model.load_state_dict({k: (t.float() if t.is_floating_point() else t) for k, t in state.items()})
+    contract = build_contract("dflash", target_fingerprint=target.target_fingerprint,
+                              template_fingerprint=target.template_fingerprint, num_target_layers=target.num_layers,
+                              hidden_size=target.hidden_size, layer_ids=cfg.target_layer_ids)
+    provenance = {"run": Path(variant_file).stem, "source": "specray.pipeline.onegpu", "target": target_name,
+                  "steps": int(meta["steps"]), "train_samples": int(meta["train_samples"]),
+                  "weights_precision": "bf16 (stored as fp32)"}
+    return save_drafter(out_dir, model, contract=json.loads(contract.to_json()), provenance=provenance)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m specray.pipeline.onegpu", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="regenerate, capture in memory and train drafter variants on one device")
+    r.add_argument("--prompts", required=True, help='JSONL (or .jsonl.gz) of {"id", "prompt"} lines')
+    r.add_argument("--out", required=True)
+    r.add_argument("--target", default=DEFAULT_TARGET)
+    r.add_argument("--device", default="cuda")
+    r.add_argument("--variants", default='[{"name": "l1"}]', help="JSON list of variants (see Variant)")
+    r.add_argument("--max-prompts", type=int, default=None)
+    r.add_argument("--gen-batch-size", type=int, default=512)
+    r.add_argument("--max-new-tokens", type=int, default=256)
+    r.add_argument("--gen-seconds", type=float, default=180.0)
+    r.add_argument("--max-length", type=int, default=1024)
+    r.add_argument("--heldout-percent", type=int, default=2)
+    r.add_argument("--batch-size", type=int, default=32)
+    r.add_argument("--num-anchors", type=int, default=16)
+    r.add_argument("--gamma", type=float, default=4.0)
+    r.add_argument("--warmup-steps", type=int, default=50)
+    r.add_argument("--train-seconds", type=float, default=180.0)
+    r.add_argument("--deadline-seconds", type=float, default=None,
+                   help="whole-run budget: training is shortened to end reserve-seconds before it")
+    r.add_argument("--reserve-seconds", type=float, default=60.0)
+    r.add_argument("--log-every", type=int, default=100)
+    r.add_argument("--seed", type=int, default=0)
+    e = sub.add_parser("export", help="turn a run's variant file into an export for the local target")
+    e.add_argument("variant_file")
+    e.add_argument("--out", required=True)
+    e.add_argument("--target", default=DEFAULT_TARGET)
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        report = run(args, log=lambda msg: print(msg, flush=True))
+        print(json.dumps({k: report[k] for k in ("answers", "train_samples", "steps", "seconds")}, indent=2))
+    else:
+        print(export(args.variant_file, args.out, target_name=args.target))
+
+
+if __name__ == "__main__":
+    main()
