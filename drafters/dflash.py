@@ -117,6 +117,35 @@ class DFlashConfig:
         return cls(**data)
 
 
+SMALL_M = 64  # inference products with at most this many rows take the (W @ xᵀ)ᵀ layout
+
+
+def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weightᵀ (+ bias)`` for x [..., in]; at inference with few rows on CPU, as ``(W @ xᵀ)ᵀ``.
+
+    Serving runs the drafter on a handful of rows, where ``F.linear``'s ``x @ Wᵀ`` takes a slow
+    small-M path on CPU (2–6× slower than MKL's gemm with the weight as the left operand for
+    SmolLM2's shapes, docs/benchmarks.md), the layout ``serving/runner.py`` uses too. A lone row
+    is computed twice: a 2-row gemm beats the mat-vec (an expanded view's zero stride sends ``mm``
+    to a slow path, so the copy is contiguous). Training (grad enabled) keeps ``F.linear``.
+    """
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] > SMALL_M or torch.is_grad_enabled() or flat.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    rows = flat if len(flat) > 1 else flat.expand(2, -1).contiguous()
+    out = (weight @ rows.T).T[: len(flat)]
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and state-dict keys) whose inference takes ``small_m_linear``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return small_m_linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -146,10 +175,10 @@ class DFlashAttention(nn.Module):
         super().__init__()
         self.cfg = cfg
         D, H, Hkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(D, H * hd, bias=False)
-        self.k_proj = nn.Linear(D, Hkv * hd, bias=False)
-        self.v_proj = nn.Linear(D, Hkv * hd, bias=False)
-        self.o_proj = nn.Linear(H * hd, D, bias=False)
+        self.q_proj = Linear(D, H * hd, bias=False)
+        self.k_proj = Linear(D, Hkv * hd, bias=False)
+        self.v_proj = Linear(D, Hkv * hd, bias=False)
+        self.o_proj = Linear(H * hd, D, bias=False)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.block_key_bias = nn.Parameter(torch.full((H,), float(cfg.block_key_bias)))
@@ -189,9 +218,9 @@ class DFlashLayer(nn.Module):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = DFlashAttention(cfg)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x, positions, ctx_k, ctx_v, mask, query_rows: slice | None = None):
         """``query_rows``: return only those rows (the attention still reads every row's K/V)."""
@@ -262,7 +291,7 @@ class DFlashDrafter(nn.Module):
             )
         self.config = config
         L, D = len(config.target_layer_ids), config.hidden_size
-        self.fc = nn.Linear(L * D, D, bias=False)  # context projection of the concatenated target layers
+        self.fc = Linear(L * D, D, bias=False)  # context projection of the concatenated target layers
         self.context_norm = RMSNorm(D, config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(D, config.rms_norm_eps)
@@ -370,17 +399,7 @@ class DFlashDrafter(nn.Module):
         ``F.linear`` (bit-identical gradients).
         """
         weight, bias = self._head()
-        h = hidden.to(weight.dtype)
-        flat = h.reshape(-1, h.shape[-1])
-        if flat.shape[0] <= 64 and not torch.is_grad_enabled():
-            # A lone row as two real rows (an expanded view's zero stride sends mm to a slow path).
-            rows = flat if len(flat) > 1 else flat.expand(2, -1).contiguous()
-            out = (weight @ rows.T).T[: len(flat)]
-            if bias is not None:
-                out = out + bias
-        else:
-            out = F.linear(flat, weight, bias)
-        return out.reshape(*h.shape[:-1], out.shape[-1])
+        return small_m_linear(hidden.to(weight.dtype), weight, bias)
 
     def forward(self, hidden_states, context_valid, anchor_ids, anchors) -> torch.Tensor:
         """Training forward over many blocks per sequence.

@@ -41,6 +41,7 @@ import gzip
 import hashlib
 import json
 import random
+import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -50,7 +51,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specray.capture.contract import build_contract
-from specray.capture.data import ChatRenderer, Conversation, RenderedSample
+from specray.capture.data import ChatRenderer, Conversation, RenderedSample, load_conversations
 from specray.capture.server import decoder_layer_outputs
 from specray.capture.target import DEFAULT_TARGET, Target, load_target
 from specray.drafters.dflash import DFlashConfig, DFlashDrafter
@@ -248,16 +249,26 @@ def run(args: argparse.Namespace, log=print) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     target = load_target(args.target, device=args.device)
+    renderer = ChatRenderer(target.tokenizer, max_length=args.max_length)
+    # Fail before generating, not after: generation stops at the tokenizer's eos, and the samples
+    # need the template to close assistant turns with it (a GGUF read by another transformers
+    # version than the pinned one has given eos = <|im_start|> for SmolLM2).
+    renderer.supervised_spans(Conversation("check", (("user", "hi"), ("assistant", "hello"))))
     digest = target_digest(target)
     t_load = time.perf_counter()
     log(f"target {args.target} on {args.device}: {digest[:23]}… ({t_load - t0:.0f} s)")
 
-    prompts = read_prompts(args.prompts)[: args.max_prompts]
-    conversations = generate_answers(target, prompts, batch_size=args.gen_batch_size, max_new_tokens=args.max_new_tokens,
-                                     seconds=args.gen_seconds, out=out / "answers.jsonl", seed=args.seed, log=log)
+    if args.answers:  # answers of an earlier run (or of `specray regenerate`): no generation
+        conversations = list(load_conversations(f"jsonl:{args.answers}"))
+        if not (out / "answers.jsonl").exists():
+            shutil.copyfile(args.answers, out / "answers.jsonl")
+    else:
+        prompts = read_prompts(args.prompts)[: args.max_prompts]
+        conversations = generate_answers(target, prompts, batch_size=args.gen_batch_size,
+                                         max_new_tokens=args.max_new_tokens, seconds=args.gen_seconds,
+                                         out=out / "answers.jsonl", seed=args.seed, log=log)
     t_gen = time.perf_counter()
 
-    renderer = ChatRenderer(target.tokenizer, max_length=args.max_length)
     samples = [s for s in (renderer.render(c) for c in conversations) if s is not None]
     # held out by id, not by position: the same answer is held out whatever the generation order
     is_held = [int(hashlib.sha256(s.sample_id.encode()).hexdigest(), 16) % 100 < args.heldout_percent for s in samples]
@@ -382,7 +393,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m specray.pipeline.onegpu", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="regenerate, capture in memory and train drafter variants on one device")
-    r.add_argument("--prompts", required=True, help='JSONL (or .jsonl.gz) of {"id", "prompt"} lines')
+    r.add_argument("--prompts", help='JSONL (or .jsonl.gz) of {"id", "prompt"} lines to answer')
+    r.add_argument("--answers", help="reuse answers (JSONL conversations, as regenerate writes) instead of --prompts")
     r.add_argument("--out", required=True)
     r.add_argument("--target", default=DEFAULT_TARGET)
     r.add_argument("--device", default="cuda")
@@ -409,6 +421,8 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("--target", default=DEFAULT_TARGET)
     args = parser.parse_args(argv)
     if args.command == "run":
+        if not (args.prompts or args.answers):
+            parser.error("run needs --prompts (to answer) or --answers (answered already)")
         report = run(args, log=lambda msg: print(msg, flush=True))
         print(json.dumps({k: report[k] for k in ("answers", "train_samples", "steps", "seconds")}, indent=2))
     else:

@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from specray.drafters.dflash import DFlashConfig, DFlashDrafter, block_attention_mask
+from specray.drafters.dflash import SMALL_M, DFlashConfig, DFlashDrafter, Linear, block_attention_mask
 
 D, V, L = 32, 50, 3
 
@@ -160,6 +160,22 @@ def test_inference_logits_of_a_few_rows_equal_the_linear_heads():
     with_grad = model.logits(hidden)  # training: nn.Linear itself, bit for bit, differentiable
     assert with_grad.requires_grad
     torch.testing.assert_close(with_grad, slow, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, SMALL_M + 1])
+def test_drafter_linears_take_the_small_m_layout_at_inference_only(rows):
+    """Every projection of the drafter (q/k/v/o, MLP, fc) is a ``Linear``: at inference with few
+    rows it computes (W @ xᵀ)ᵀ, the same product up to rounding; with grad it is nn.Linear exactly."""
+    model = _drafter()
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m is not model.lm_head]
+    assert linears and all(isinstance(m, Linear) for m in linears)
+    layer = model.layers[0].down_proj
+    x = torch.randn(rows, layer.in_features)
+    reference = nn.functional.linear(x, layer.weight)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), reference, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer(x[None]), reference[None], rtol=1e-5, atol=1e-5)  # any leading dims
+    assert torch.equal(layer(x), reference) and layer(x).requires_grad
 
 
 def test_draft_vocabulary_restricts_the_shared_head_to_its_rows():

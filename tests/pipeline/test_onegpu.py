@@ -115,3 +115,19 @@ def test_run_on_cuda(tmp_path):
     onegpu.main(run_args(tmp_path, device="cuda"))
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["device"] == "cuda" and summary["steps"] > 3
+
+
+def test_an_eos_the_template_does_not_close_turns_with_fails_before_generating(tmp_path, monkeypatch):
+    """transformers 5.17 read SmolLM2's GGUF with eos = <|im_start|>: answers would run past the
+    end of the turn. The run refuses before generating anything."""
+    real = onegpu.load_target
+
+    def wrong_eos(*args, **kwargs):
+        target = real(*args, **kwargs)
+        target.tokenizer.eos_token = "<|im_start|>"
+        return target
+
+    monkeypatch.setattr(onegpu, "load_target", wrong_eos)
+    with pytest.raises(ValueError, match="does not close assistant turns"):
+        onegpu.main(run_args(tmp_path))
+    assert not (tmp_path / "out" / "answers.jsonl").exists()
