@@ -61,6 +61,7 @@ class ReplicaSpec:
     num_threads: int | None
     api_key: str | None
     num_speculative_tokens: int | None = None
+    max_speculative_batch: int | None = None
 
 
 def _absolute_uri(uri: str) -> str:
@@ -81,6 +82,7 @@ def replica_spec(cfg: ServeJobConfig, api_key: str | None) -> ReplicaSpec:
         cache_dir=str(Path(cfg.registry.cache_dir or cfg.run_dir / "drafter-cache").resolve()),
         num_threads=cfg.engine.num_threads, api_key=api_key,
         num_speculative_tokens=cfg.engine.num_speculative_tokens,
+        max_speculative_batch=cfg.engine.max_speculative_batch,
     )
 
 
@@ -96,7 +98,8 @@ class SpecrayReplica:
         self.replica = serve.get_replica_context().replica_id.unique_id
         target = load_target(spec.target, dtype=spec.dtype, device=spec.device)
         self.engine = Engine(target, spec.drafter_dir, max_batch=spec.max_batch, max_len=spec.max_len,
-                             num_speculative_tokens=spec.num_speculative_tokens)
+                             num_speculative_tokens=spec.num_speculative_tokens,
+                             max_speculative_batch=spec.max_speculative_batch)
         self.loop = EngineLoop(self.engine).start()
         self.poller = None
         if spec.registry_uri:

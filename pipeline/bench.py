@@ -286,7 +286,8 @@ def _mismatches(a: _Generated, b: _Generated) -> int:
 
 def bench_serve(*, target_name: str, drafter_dir: str | None, dataset: str, num_prompts: int, max_tokens: int,
                 batch_sizes: tuple[int, ...] = (1, 4), png: str | None = None, repeats: int = 1,
-                vllm: bool = True, transformers: bool = True, num_speculative_tokens: int | None = None) -> dict:
+                vllm: bool = True, transformers: bool = True, num_speculative_tokens: int | None = None,
+                max_speculative_batch: int | None = None) -> dict:
     """Ours (AR, DFlash) vs transformers generate / prompt lookup, then vLLM when importable.
 
     ``transformers=False`` / ``vllm=False`` skip those peers (the pipeline's bench stage
@@ -301,7 +302,8 @@ def bench_serve(*, target_name: str, drafter_dir: str | None, dataset: str, num_
     engines = {"specray-ar": Engine(target, None, max_batch=max(batch_sizes))}
     if drafter_dir:
         engines["specray-dflash"] = Engine(target, drafter_dir, max_batch=max(batch_sizes),
-                                           num_speculative_tokens=num_speculative_tokens)
+                                           num_speculative_tokens=num_speculative_tokens,
+                                           max_speculative_batch=max_speculative_batch)
     encoded = [engines["specray-ar"].encode(c.as_chat()) for c in load_conversations(dataset, purpose="eval", limit=num_prompts)]
     params = SamplingParams(max_tokens=max_tokens)
     for engine in engines.values():  # warm-up: allocator, thread pools, first-call paths
@@ -345,6 +347,7 @@ def bench_serve(*, target_name: str, drafter_dir: str | None, dataset: str, num_
     result.update(_serve_speedups(runs, outputs, vllm_info, batch_sizes[0]))
     if drafter_dir:
         result["num_speculative_tokens"] = engines["specray-dflash"].worker.num_draft_tokens
+        result["max_speculative_batch"] = max_speculative_batch
         result.update(_speculative_summary(engines, outputs, runs, batch_sizes[0], result["speedup_ar_vs_vllm_ar"], png))
         result["round_ms"] = phases
     return result

@@ -84,7 +84,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     engine = Engine(load_target(args.target), args.drafter, max_batch=max(1, len(args.prompt)), max_len=args.max_len,
-                    num_speculative_tokens=args.num_speculative_tokens)
+                    num_speculative_tokens=args.num_speculative_tokens, max_speculative_batch=args.max_speculative_batch)
     start = time.perf_counter()
     outputs = engine.generate(args.prompt, params)
     seconds = time.perf_counter() - start
@@ -204,7 +204,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         result = bench.bench_serve(target_name=args.target, drafter_dir=args.drafter, dataset=args.dataset,
                                    num_prompts=args.num_prompts, max_tokens=args.max_tokens,
                                    batch_sizes=tuple(args.batch_sizes), png=args.png, repeats=args.repeats,
-                                   vllm=not args.no_vllm, num_speculative_tokens=args.num_speculative_tokens)
+                                   vllm=not args.no_vllm, num_speculative_tokens=args.num_speculative_tokens,
+                                   max_speculative_batch=args.max_speculative_batch)
         table = bench.serve_table(result)
     elif args.benchmark == "capture":
         cfg = load_config(CaptureJobConfig, args.config, bench.BENCH_CAPTURE_DEFAULTS + args.overrides)
@@ -265,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--max-len", type=int, default=2048, help="KV capacity per request")
     generate.add_argument("--num-speculative-tokens", type=int, default=None,
                           help="at most this many drafts verified per round (default: the drafter's block size - 1)")
+    generate.add_argument("--max-speculative-batch", type=int, default=None,
+                          help="speculate only while at most this many requests run together; larger batches take "
+                               "plain steps (default: always speculate)")
     generate.set_defaults(fn=_cmd_generate)
 
     pipeline = sub.add_parser("pipeline", help="the whole pipeline on Ray: capture, train, export, serve, bench")
@@ -331,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_argument("--no-vllm", action="store_true", help="skip the vLLM runs even when vllm is importable")
     bench_serve.add_argument("--num-speculative-tokens", type=int, default=None,
                              help="at most this many drafts verified per round (default: the drafter's block size - 1)")
+    bench_serve.add_argument("--max-speculative-batch", type=int, default=None,
+                             help="speculate only while at most this many requests run together; larger batches take "
+                               "plain steps (default: always speculate)")
     bench_serve.set_defaults(fn=_cmd_bench, config=None, overrides=[])
     bench_train = bench_sub.add_parser("train", help="training tokens/s and step time split")
     bench_train.add_argument("--json", help="write the result here")

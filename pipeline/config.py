@@ -309,6 +309,9 @@ class ServeEngineSection(Section):
     num_threads: int | None = Field(None, gt=0, description="torch intra-op threads per replica (None = torch's default)")
     num_speculative_tokens: int | None = Field(None, gt=0, description="at most this many drafts verified per round "
                                                                        "(None = the drafter's block size - 1)")
+    max_speculative_batch: int | None = Field(
+        None, ge=0, description="speculate only while at most this many requests run together; larger batches take "
+                                "plain steps, one target row each (None = always speculate)")
 
 
 class RegistrySection(Section):

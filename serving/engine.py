@@ -195,6 +195,7 @@ class _RoundStats:
     num_drafts: int  # m
     rounds: int = 0
     emitted: int = 0  # sum over rounds of r + 1
+    plain_steps: int = 0  # request-steps that did not speculate (a batch above max_speculative_batch)
     accepted: list[int] = field(init=False)  # [m] rounds whose draft at position j + 1 was accepted
 
     def __post_init__(self) -> None:
@@ -209,7 +210,8 @@ class _RoundStats:
     def summary(self) -> dict:
         rounds = max(1, self.rounds)
         return {"rounds": self.rounds, "tau": self.emitted / rounds if self.rounds else None,
-                "acceptance_by_position": [a / rounds for a in self.accepted] if self.rounds else []}
+                "acceptance_by_position": [a / rounds for a in self.accepted] if self.rounds else [],
+                "plain_steps": self.plain_steps}
 
 
 class _DrafterRunner:
@@ -266,13 +268,21 @@ def _cut_at_stop(text: str, stops: tuple[str, ...]) -> str:
 
 class Engine:
     def __init__(self, target: Target, drafter_dir: str | None = None, *, max_batch: int = 4, max_len: int = 2048,
-                 drafter_version: int = 0, num_speculative_tokens: int | None = None):
+                 drafter_version: int = 0, num_speculative_tokens: int | None = None,
+                 max_speculative_batch: int | None = None):
         """``num_speculative_tokens``: at most this many drafts are verified per round (None = all
-        of the drafter's block, B − 1); it applies to every drafter version this engine loads."""
+        of the drafter's block, B − 1). ``max_speculative_batch``: a drafter's requests speculate
+        only while at most this many of them run together; a larger batch takes plain steps (one
+        target row per request, the drafter's context kept up to date; None = always speculate).
+        Both apply to every drafter version this engine loads."""
         if num_speculative_tokens is not None and num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1 (or None for the drafter's block), "
                              f"got {num_speculative_tokens}")
+        if max_speculative_batch is not None and max_speculative_batch < 0:
+            raise ValueError(f"max_speculative_batch must be >= 0 (0 = never speculate; None = always), "
+                             f"got {max_speculative_batch}")
         self.num_speculative_tokens = num_speculative_tokens
+        self.max_speculative_batch = max_speculative_batch
         self.target = target
         self.tokenizer = target.tokenizer
         self.max_len = max_len
@@ -331,7 +341,8 @@ class Engine:
                                       f"0..{self.target.num_layers - 1}")
         k = self.num_speculative_tokens
         worker = WORKERS[drafter.algorithm](_DrafterRunner(self.runner, layer_ids), drafter,
-                                            num_draft_tokens=None if k is None else min(k, drafter.config.block_size - 1))
+                                            num_draft_tokens=None if k is None else min(k, drafter.config.block_size - 1),
+                                            max_speculative_batch=self.max_speculative_batch)
         return _Version(version, worker, drafter, layer_ids)
 
     def load_drafter(self, drafter_dir: str | Path, version: int) -> Future:
@@ -473,9 +484,13 @@ class Engine:
                 new = version.worker.step([r.slot for r in group], [r.anchor for r in group],
                                           [r.params for r in group], [r.generator for r in group])
                 rounds = self._history[version.version]
+                speculative = getattr(version.worker, "last_step_speculative", True)
                 for r, tokens in zip(group, new):
                     r.emitted.append(len(tokens))
-                    rounds.add(len(tokens))
+                    if speculative:
+                        rounds.add(len(tokens))
+                    else:
+                        rounds.plain_steps += 1
                     emitted += self._emit(r, tokens)
             self._publish(self._running)
             self._retire()

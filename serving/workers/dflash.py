@@ -25,6 +25,7 @@ from specray.kernels.rejection import rejection_sample
 from specray.serving.kv_cache import SlotKVCache
 from specray.serving.runner import LlamaRunner, pad_rows
 from specray.serving.sampling import process
+from specray.serving.workers.ar import sample_next
 
 
 class DFlashWorker:
@@ -33,9 +34,17 @@ class DFlashWorker:
     other), but only rows 1 … k go through its last layer's queries and MLP, the LM head and the
     target: when acceptance falls off after a few positions (docs/benchmarks.md: 0.26, then
     ~0.02), verifying fewer rows makes a round cheaper and loses only what k could not accept.
+
+    ``max_speculative_batch``: a step over more requests than this is a *plain* step — no draft,
+    one target row per request (the anchor), the next token sampled from it exactly as the AR
+    worker does — while both caches still commit that row, so speculation resumes as soon as the
+    batch shrinks. On a CPU whose verify rows cost compute once a batch is large, this keeps
+    large batches at AR speed (docs/benchmarks.md, session 5). ``last_step_speculative`` says
+    which kind the last step was (the engine counts plain steps apart from speculative rounds).
     """
 
-    def __init__(self, runner: LlamaRunner, drafter: DFlashDrafter, *, num_draft_tokens: int | None = None):
+    def __init__(self, runner: LlamaRunner, drafter: DFlashDrafter, *, num_draft_tokens: int | None = None,
+                 max_speculative_batch: int | None = None):
         cfg = drafter.config
         if tuple(runner.capture_layer_ids) != tuple(cfg.target_layer_ids):
             raise ValueError("the runner must capture the drafter's target layer ids")
@@ -43,7 +52,11 @@ class DFlashWorker:
         if num_draft_tokens is not None and not 1 <= num_draft_tokens <= m:
             raise ValueError(f"num_draft_tokens must be in [1, {m}] for a drafter of block size {cfg.block_size}, "
                              f"got {num_draft_tokens}")
+        if max_speculative_batch is not None and max_speculative_batch < 0:
+            raise ValueError(f"max_speculative_batch must be >= 0 (0 = never speculate), got {max_speculative_batch}")
         self.num_draft_tokens = num_draft_tokens or m
+        self.max_speculative_batch = max_speculative_batch
+        self.last_step_speculative = True
         self.runner, self.drafter, self.cfg = runner, drafter, cfg
         cache = runner.cache
         self.context = SlotKVCache(num_layers=cfg.num_layers, num_slots=cache.num_slots, max_len=cache.max_len,
@@ -56,6 +69,8 @@ class DFlashWorker:
         """Zero the per-phase wall-clock totals of ``step`` (``phase_seconds``, ``steps``)."""
         self.phase_seconds = {"draft": 0.0, "verify": 0.0, "accept": 0.0, "commit": 0.0}
         self.steps = 0
+        self.plain_steps = 0  # steps that did not speculate (batch above max_speculative_batch)
+        self.plain_seconds = 0.0
 
     @property
     def rows_per_round(self) -> int:  # target rows verified per round (capacity planning)
@@ -112,7 +127,12 @@ class DFlashWorker:
     def step(self, slots: list[int], anchors: list[int], params, generators) -> list[list[int]]:
         """One propose → verify → accept → commit round; returns the emitted tokens per request.
 
-        Wall-clock time per phase accumulates in ``phase_seconds`` (what ``bench serve`` reports)."""
+        Wall-clock time per phase accumulates in ``phase_seconds`` (what ``bench serve`` reports);
+        a plain step (see the class docstring) in ``plain_seconds``."""
+        cap = self.max_speculative_batch
+        self.last_step_speculative = cap is None or len(slots) <= cap
+        if not self.last_step_speculative:
+            return self._plain_step(slots, anchors, params, generators)
         t0 = time.perf_counter()
         drafts, qs = self.propose(slots, anchors, params, generators)
         verify_ids = torch.cat([torch.tensor(anchors)[:, None], drafts], dim=1)  # [B, m + 1]
@@ -141,3 +161,14 @@ class DFlashWorker:
         self.steps += 1
         return emitted
 
+    def _plain_step(self, slots: list[int], anchors: list[int], params, generators) -> list[list[int]]:
+        """One target row per request: the AR step, plus the drafter context of that row."""
+        start = time.perf_counter()
+        out = self.runner.forward(torch.tensor(anchors)[:, None], torch.tensor(slots), torch.ones(len(slots), dtype=torch.long))
+        emitted = [[sample_next(out.logits[b, 0], p, generators[b])] for b, p in enumerate(params)]
+        for slot in slots:
+            self.runner.cache.commit(slot, 1)
+        self._commit_context(slots, out.hidden, [1] * len(slots))
+        self.plain_steps += 1
+        self.plain_seconds += time.perf_counter() - start
+        return emitted

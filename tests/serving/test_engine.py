@@ -244,3 +244,41 @@ def test_draft_vocabulary_drafter_is_lossless_and_proposes_only_its_tokens(debug
     outside[vocab] = False
     assert (q[:, outside] == 0).all() and (q[torch.arange(3), drafts[0]] > 0).all()
     assert qs[1] is None  # greedy request: argmax, no q
+
+
+def test_max_speculative_batch_takes_plain_steps_above_it_and_stays_lossless(debug_target, random_drafter):
+    """Three requests of different lengths with max_speculative_batch=1: plain steps while two or
+    three run, speculative rounds once one is left; greedy output still equals transformers."""
+    engine = Engine(debug_target, str(random_drafter), max_batch=3, max_len=512, max_speculative_batch=1)
+    params = [SamplingParams(max_tokens=n) for n in (6, 14, 40)]
+    outputs = engine.generate(PROMPTS[:3], params)
+    for out, p in zip(outputs, params):
+        assert out.token_ids == _hf_greedy(debug_target, out.prompt_ids, p.max_tokens)
+    stats = engine.stats()["versions"][0]
+    assert stats["plain_steps"] > 0 and stats["rounds"] > 0  # both kinds ran
+    assert stats["rounds"] + stats["plain_steps"] == sum(out.rounds for out in outputs)
+    never = Engine(debug_target, str(random_drafter), max_batch=1, max_len=512, max_speculative_batch=0)
+    out = never.generate([PROMPTS[1]], SamplingParams(max_tokens=12))[0]
+    assert out.token_ids == _hf_greedy(debug_target, out.prompt_ids, 12)
+    assert out.emitted_per_round == [1] * 11 and never.stats()["tau"] is None  # no speculative round
+    with pytest.raises(ValueError, match="max_speculative_batch must be >= 0"):
+        Engine(debug_target, str(random_drafter), max_speculative_batch=-1)
+
+
+def test_plain_steps_keep_the_drafter_context_of_every_committed_row(debug_target, random_drafter):
+    """After plain steps the drafter's context equals the one a prefill of the same prefix builds,
+    so speculation resumes on the right context."""
+    engine = Engine(debug_target, str(random_drafter), max_batch=1, max_len=512, max_speculative_batch=0)
+    worker = engine.worker
+    prompt = engine.encode(PROMPTS[1])
+    first = int(worker.prefill([0], [prompt])[0].argmax())
+    tokens = [first]
+    for _ in range(5):
+        tokens += worker.step([0], [tokens[-1]], [SamplingParams()], [None])[0]
+    n = len(prompt) + 5  # the last token is the anchor: no KV yet
+    assert int(worker.context.committed[0]) == n and int(engine.runner.cache.committed[0]) == n
+    fresh = Engine(debug_target, str(random_drafter), max_batch=1, max_len=512).worker
+    fresh.prefill([0], [prompt + tokens[:5]])
+    for layer in range(len(worker.context.k)):
+        torch.testing.assert_close(worker.context.k[layer, 0, :, :n], fresh.context.k[layer, 0, :, :n], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(worker.context.v[layer, 0, :, :n], fresh.context.v[layer, 0, :, :n], rtol=1e-4, atol=1e-5)
