@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from pydantic import ValidationError
 from safetensors.torch import save_file
 
 from specray.capture.contract import build_contract
@@ -56,7 +57,8 @@ from specray.capture.server import decoder_layer_outputs
 from specray.capture.target import DEFAULT_TARGET, Target, load_target
 from specray.drafters.dflash import DFlashConfig, DFlashDrafter
 from specray.drafters.format import save_drafter
-from specray.pipeline.train_job import default_mask_token_id
+from specray.pipeline.config import DrafterSection
+from specray.pipeline.train_job import drafter_config
 from specray.trainer.core import OptimSettings, TrainerCore
 from specray.trainer.loader import TrainBatch
 from specray.trainer.strategies.dflash import DFlashStrategy
@@ -65,26 +67,31 @@ from specray.trainer.vocab import top_tokens
 
 @dataclass(frozen=True)
 class Variant:
-    """One drafter trained in the run. Sizes left None are the target's (as ``specray train``)."""
+    """One drafter trained in the run: a name, the ``drafter`` section of ``specray train``
+    (any of its fields; sizes left unset are the target's; ``draft_vocab_size`` defaults to 8,192
+    here), the target layers it reads (None: the DFlash contract's default spread) and its lr."""
 
     name: str
-    num_layers: int = 1
-    block_size: int = 8
-    layer_ids: tuple[int, ...] | None = None  # None: the DFlash contract's default spread
-    draft_vocab_size: int | None = 8192
+    drafter: DrafterSection
+    layer_ids: tuple[int, ...] | None = None
     lr: float = 1e-3
 
     @classmethod
     def parse(cls, data: dict) -> "Variant":
-        known = {"name", "num_layers", "block_size", "layer_ids", "draft_vocab_size", "lr"}
-        unknown = set(data) - known
-        if unknown or "name" not in data:
-            raise ValueError(f"a variant is a JSON object with 'name' and any of {sorted(known - {'name'})}; got {data}")
-        if not str(data["name"]).replace("-", "").replace("_", "").isalnum():
-            raise ValueError(f"variant name {data['name']!r}: use letters, digits, '-' and '_' (it names a file)")
-        if data.get("layer_ids") is not None:
-            data = dict(data, layer_ids=tuple(data["layer_ids"]))
-        return cls(**data)
+        data = dict(data)
+        name, lr, layer_ids = data.pop("name", None), data.pop("lr", 1e-3), data.pop("layer_ids", None)
+        if name is None or not str(name).replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"variant name {name!r}: give one of letters, digits, '-' and '_' (it names a file)")
+        if data.get("algorithm", "dflash") != "dflash" or data.get("init_from"):
+            raise ValueError(f"variant {name!r}: only fresh DFlash drafters train here (no algorithm, no init_from)")
+        data.setdefault("draft_vocab_size", 8192)
+        try:
+            drafter = DrafterSection(**data)
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+            raise ValueError(f"variant {name!r}: {problems} (a variant takes name, layer_ids, lr and the drafter "
+                             f"section's fields: {sorted(DrafterSection.model_fields)})") from None
+        return cls(str(name), drafter, None if layer_ids is None else tuple(layer_ids), float(lr))
 
 
 @dataclass
@@ -221,21 +228,11 @@ def extract_features(target: Target, samples: list[RenderedSample], layer_ids: t
 
 
 def variant_config(variant: Variant, target: Target) -> DFlashConfig:
-    """The drafter config ``specray train`` would build for these settings (sizes from the target)."""
-    tcfg = target.model.config
-    layer_ids = variant.layer_ids
-    if layer_ids is None:
-        layer_ids = build_contract("dflash", target_fingerprint="-", template_fingerprint="-",
-                                   num_target_layers=target.num_layers, hidden_size=target.hidden_size).layer_ids
-    return DFlashConfig(
-        hidden_size=target.hidden_size, vocab_size=target.vocab_size, target_layer_ids=tuple(layer_ids),
-        mask_token_id=default_mask_token_id(target.tokenizer), num_layers=variant.num_layers,
-        num_heads=tcfg.num_attention_heads, num_kv_heads=tcfg.num_key_value_heads,
-        head_dim=getattr(tcfg, "head_dim", None) or target.hidden_size // tcfg.num_attention_heads,
-        intermediate_size=tcfg.intermediate_size, block_size=variant.block_size,
-        draft_vocab_size=variant.draft_vocab_size, rms_norm_eps=tcfg.rms_norm_eps,
-        rope_theta=float((getattr(tcfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
-    )
+    """The drafter config ``specray train`` builds for this drafter section (``drafter_config``)."""
+    contract = build_contract("dflash", target_fingerprint=target.target_fingerprint,
+                              template_fingerprint=target.template_fingerprint, num_target_layers=target.num_layers,
+                              hidden_size=target.hidden_size, layer_ids=variant.layer_ids)  # validates the ids
+    return drafter_config(variant.drafter, target, contract.layer_ids)
 
 
 def run(args: argparse.Namespace, log=print) -> dict:

@@ -24,7 +24,7 @@ from specray.capture.contract import CaptureContract, build_contract
 from specray.capture.store import Manifest, open_store, read_manifest
 from specray.capture.target import Target, load_target
 from specray.drafters import DRAFTERS
-from specray.pipeline.config import TrainJobConfig
+from specray.pipeline.config import DrafterSection, TrainJobConfig
 from specray.trainer.core import OptimSettings, TrainerCore
 from specray.trainer.loader import FeatureLoader
 from specray.trainer.loop import Trainer
@@ -40,11 +40,10 @@ def default_mask_token_id(tokenizer) -> int:
     return 0
 
 
-def drafter_config(cfg: TrainJobConfig, target: Target, layer_ids):
-    """The algorithm's model config, with unset sizes taken from the target."""
-    config_cls, _ = DRAFTERS[cfg.drafter.algorithm]
+def drafter_config(d: DrafterSection, target: Target, layer_ids):
+    """The algorithm's model config for a ``drafter`` section, with unset sizes taken from the target."""
+    config_cls, _ = DRAFTERS[d.algorithm]
     tcfg = target.model.config
-    d = cfg.drafter
     return config_cls(
         hidden_size=target.hidden_size, vocab_size=target.vocab_size, target_layer_ids=tuple(layer_ids),
         mask_token_id=d.mask_token_id if d.mask_token_id is not None else default_mask_token_id(target.tokenizer),
@@ -135,7 +134,7 @@ def build_rank(cfg: TrainJobConfig, contract: CaptureContract, *, rank: int = 0,
         template_fingerprint=target.template_fingerprint, num_target_layers=target.num_layers,
         hidden_size=target.hidden_size, layer_ids=contract.layer_ids, dtype=contract.dtype,
     )
-    model_cfg = drafter_config(cfg, target, expected.layer_ids)
+    model_cfg = drafter_config(cfg.drafter, target, expected.layer_ids)
     strategy = strategy_cls(num_anchors=cfg.objective.num_anchors, gamma=cfg.objective.gamma, seed=cfg.optim.seed)
     torch.manual_seed(cfg.optim.seed)  # identical initial weights on every rank
     model = strategy.build_model(model_cfg, embed_tokens=target.model.model.embed_tokens,

@@ -103,10 +103,13 @@ def test_export_refuses_another_target(finished, tmp_path):
 
 
 def test_bad_variants_are_named():
-    with pytest.raises(ValueError, match="unknown|any of"):
+    with pytest.raises(ValueError, match="variant .a.: layers: Extra inputs"):  # the field the drafter section does not know
         onegpu.Variant.parse({"name": "a", "layers": 2})
+    with pytest.raises(ValueError, match="variant .a.: block_size: Value error, block_size must be >= 2"):
+        onegpu.Variant.parse({"name": "a", "block_size": 1})
     with pytest.raises(ValueError, match="names a file"):
         onegpu.Variant.parse({"name": "a/b"})
+    assert onegpu.Variant.parse({"name": "a"}).drafter.draft_vocab_size == 8192
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
