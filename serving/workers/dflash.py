@@ -69,8 +69,6 @@ class DFlashWorker:
         """Zero the per-phase wall-clock totals of ``step`` (``phase_seconds``, ``steps``)."""
         self.phase_seconds = {"draft": 0.0, "verify": 0.0, "accept": 0.0, "commit": 0.0}
         self.steps = 0
-        self.plain_steps = 0  # steps that did not speculate (batch above max_speculative_batch)
-        self.plain_seconds = 0.0
 
     @property
     def rows_per_round(self) -> int:  # target rows verified per round (capacity planning)
@@ -128,7 +126,7 @@ class DFlashWorker:
         """One propose → verify → accept → commit round; returns the emitted tokens per request.
 
         Wall-clock time per phase accumulates in ``phase_seconds`` (what ``bench serve`` reports);
-        a plain step (see the class docstring) in ``plain_seconds``."""
+        a plain step (see the class docstring) is not a round and is not timed there."""
         cap = self.max_speculative_batch
         self.last_step_speculative = cap is None or len(slots) <= cap
         if not self.last_step_speculative:
@@ -163,12 +161,9 @@ class DFlashWorker:
 
     def _plain_step(self, slots: list[int], anchors: list[int], params, generators) -> list[list[int]]:
         """One target row per request: the AR step, plus the drafter context of that row."""
-        start = time.perf_counter()
         out = self.runner.forward(torch.tensor(anchors)[:, None], torch.tensor(slots), torch.ones(len(slots), dtype=torch.long))
         emitted = [[sample_next(out.logits[b, 0], p, generators[b])] for b, p in enumerate(params)]
         for slot in slots:
             self.runner.cache.commit(slot, 1)
         self._commit_context(slots, out.hidden, [1] * len(slots))
-        self.plain_steps += 1
-        self.plain_seconds += time.perf_counter() - start
         return emitted
