@@ -53,7 +53,7 @@ from safetensors.torch import save_file
 
 from specray.capture.contract import build_contract
 from specray.capture.data import ChatRenderer, Conversation, RenderedSample, load_conversations
-from specray.capture.server import decoder_layer_outputs
+from specray.capture.server import decoder_layer_outputs, pack_batches, pad_batch
 from specray.capture.target import DEFAULT_TARGET, Target, load_target
 from specray.drafters.dflash import DFlashConfig, DFlashDrafter
 from specray.drafters.format import save_drafter
@@ -105,24 +105,30 @@ class Features:
     offsets: list[int] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
 
-    def batch(self, indices: list[int], layer_ids: tuple[int, ...], hidden_size: int) -> TrainBatch:
-        """A right-padded ``TrainBatch`` of the given samples, with the columns of ``layer_ids``."""
-        cols = torch.cat([torch.arange(hidden_size) + self.layer_ids.index(i) * hidden_size for i in layer_ids])
-        cols = cols.to(self.hidden.device)
+    def batch(self, indices: list[int]) -> TrainBatch:
+        """A right-padded ``TrainBatch`` of the given samples, with every layer's columns."""
         B, T = len(indices), max(self.lengths[i] for i in indices)
         device = self.hidden.device
         input_ids = torch.zeros((B, T), dtype=torch.long, device=device)
         loss_mask = torch.zeros((B, T), dtype=torch.bool, device=device)
         attention = torch.zeros((B, T), dtype=torch.bool, device=device)
-        hidden = torch.zeros((B, T, len(cols)), dtype=torch.float32, device=device)
+        hidden = torch.zeros((B, T, self.hidden.shape[1]), dtype=torch.float32, device=device)
         for row, i in enumerate(indices):
             start, n = self.offsets[i], self.lengths[i]
             input_ids[row, :n] = self.input_ids[start:start + n]
             loss_mask[row, :n] = self.loss_mask[start:start + n]
             attention[row, :n] = True
-            hidden[row, :n] = self.hidden[start:start + n].index_select(1, cols).float()
+            hidden[row, :n] = self.hidden[start:start + n]
         return TrainBatch(input_ids, loss_mask, attention, hidden, None, [str(i) for i in indices],
                           sum(self.lengths[i] for i in indices))
+
+    def select(self, batch: TrainBatch, layer_ids: tuple[int, ...]) -> TrainBatch:
+        """``batch`` (from ``self.batch``) with only the columns of ``layer_ids``, in that order."""
+        if tuple(layer_ids) == self.layer_ids:
+            return batch
+        D = self.hidden.shape[1] // len(self.layer_ids)
+        cols = torch.cat([torch.arange(D) + self.layer_ids.index(i) * D for i in layer_ids])
+        return replace(batch, hidden_states=batch.hidden_states.index_select(-1, cols.to(self.hidden.device)))
 
 
 def target_digest(target: Target) -> str:
@@ -188,9 +194,9 @@ def generate_answers(target: Target, prompts: list[tuple[str, str]], *, batch_si
 @torch.inference_mode()
 def extract_features(target: Target, samples: list[RenderedSample], layer_ids: tuple[int, ...], *,
                      max_batch_tokens: int = 65536) -> Features:
-    """Decoder-layer outputs of every sample, bf16, packed on the target's device."""
+    """Decoder-layer outputs of every sample, bf16, packed on the target's device (batched and
+    right-padded as ``CaptureServer`` batches, so each token's features equal its solo run)."""
     device = target.model.device
-    order = sorted(range(len(samples)), key=lambda i: samples[i].num_tokens)
     lengths = [s.num_tokens for s in samples]
     offsets = [0] * len(samples)
     total = 0
@@ -200,30 +206,16 @@ def extract_features(target: Target, samples: list[RenderedSample], layer_ids: t
     feats = Features(layer_ids, torch.empty((total, width), dtype=torch.bfloat16, device=device),
                      torch.empty(total, dtype=torch.long, device=device),
                      torch.empty(total, dtype=torch.bool, device=device), offsets, lengths)
-    batch: list[int] = []
-
-    def flush():
-        T = max(lengths[i] for i in batch)
-        ids = torch.full((len(batch), T), target.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), T), dtype=torch.long)
-        for row, i in enumerate(batch):  # right padding: each real token's features equal its solo run
-            ids[row, : lengths[i]] = samples[i].input_ids
-            mask[row, : lengths[i]] = 1
+    index = {id(s): i for i, s in enumerate(samples)}
+    for batch in pack_batches(samples, max_batch_tokens=max_batch_tokens, max_batch_size=max(1, len(samples))):
+        ids, mask = pad_batch(batch, target.pad_token_id)
         out = decoder_layer_outputs(target.model, ids.to(device), mask.to(device), layer_ids)
         hidden = torch.cat([out[i] for i in layer_ids], dim=-1).to(torch.bfloat16)
-        for row, i in enumerate(batch):
-            s, n = offsets[i], lengths[i]
+        for row, sample in enumerate(batch):
+            s, n = offsets[index[id(sample)]], sample.num_tokens
             feats.hidden[s:s + n] = hidden[row, :n]
-            feats.input_ids[s:s + n] = samples[i].input_ids.to(device)
-            feats.loss_mask[s:s + n] = samples[i].loss_mask.to(device)
-
-    for i in order:
-        if batch and (len(batch) + 1) * max(lengths[i], *(lengths[j] for j in batch)) > max_batch_tokens:
-            flush()
-            batch = []
-        batch.append(i)
-    if batch:
-        flush()
+            feats.input_ids[s:s + n] = sample.input_ids.to(device)
+            feats.loss_mask[s:s + n] = sample.loss_mask.to(device)
     return feats
 
 
@@ -306,11 +298,9 @@ def run(args: argparse.Namespace, log=print) -> dict:
             order = train_idx[:]
             rng.shuffle(order)
         indices, order = order[: args.batch_size], order[args.batch_size:]
-        losses = {}
+        losses, batch = {}, feats.batch(indices)  # gathered once, each variant takes its layers' columns
         for v in variants:
-            core = cores[v.name]
-            batch = feats.batch(indices, configs[v.name].target_layer_ids, target.hidden_size)
-            losses[v.name] = core.train_step([batch], step).loss
+            losses[v.name] = cores[v.name].train_step([feats.select(batch, configs[v.name].target_layer_ids)], step).loss
         step += 1
         if total is None and step == args.warmup_steps:
             # the schedule's cosine starts after warmup: fix total_steps to the budget now
@@ -335,7 +325,7 @@ def run(args: argparse.Namespace, log=print) -> dict:
         sums: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for start in range(0, len(held_idx), args.batch_size):
-                batch = feats.batch(held_idx[start:start + args.batch_size], cfg.target_layer_ids, target.hidden_size)
+                batch = feats.select(feats.batch(held_idx[start:start + args.batch_size]), cfg.target_layer_ids)
                 _, metric = strategy.forward_loss(core.model, cfg, batch, strategy.generator(0, 10**6 + start))
                 for name, value in metric.items():
                     sums[name] = sums.get(name, 0) + value

@@ -484,7 +484,8 @@ class Engine:
                 new = version.worker.step([r.slot for r in group], [r.anchor for r in group],
                                           [r.params for r in group], [r.generator for r in group])
                 rounds = self._history[version.version]
-                speculative = getattr(version.worker, "last_step_speculative", True)
+                speculates = getattr(version.worker, "speculates", None)  # the AR worker's steps count as rounds
+                speculative = speculates is None or speculates(len(group))
                 for r, tokens in zip(group, new):
                     r.emitted.append(len(tokens))
                     if speculative:

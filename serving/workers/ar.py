@@ -16,6 +16,15 @@ def sample_next(logits: torch.Tensor, params, generator: torch.Generator) -> int
     return int(torch.multinomial(process(logits, params), 1, generator=generator))
 
 
+def ar_step(runner: LlamaRunner, slots: list[int], anchors: list[int], params, generators):
+    """One target row per request (its anchor), committed; returns (next token per request, the
+    runner's output). The AR worker's step, and a DFlash worker's plain step."""
+    out = runner.forward(torch.tensor(anchors)[:, None], torch.tensor(slots), torch.ones(len(slots), dtype=torch.long))
+    for slot in slots:
+        runner.cache.commit(slot, 1)
+    return [[sample_next(out.logits[b, 0], p, g)] for b, (p, g) in enumerate(zip(params, generators))], out
+
+
 class ARWorker:
     rows_per_round = 1
 
@@ -30,7 +39,4 @@ class ARWorker:
         return out.logits[torch.arange(len(slots)), lengths - 1]
 
     def step(self, slots: list[int], anchors: list[int], params, generators) -> list[list[int]]:
-        out = self.runner.forward(torch.tensor(anchors)[:, None], torch.tensor(slots), torch.ones(len(slots), dtype=torch.long))
-        for slot in slots:
-            self.runner.cache.commit(slot, 1)
-        return [[sample_next(out.logits[b, 0], p, g)] for b, (p, g) in enumerate(zip(params, generators))]
+        return ar_step(self.runner, slots, anchors, params, generators)[0]

@@ -25,7 +25,7 @@ from specray.kernels.rejection import rejection_sample
 from specray.serving.kv_cache import SlotKVCache
 from specray.serving.runner import LlamaRunner, pad_rows
 from specray.serving.sampling import process
-from specray.serving.workers.ar import sample_next
+from specray.serving.workers.ar import ar_step
 
 
 class DFlashWorker:
@@ -39,8 +39,8 @@ class DFlashWorker:
     one target row per request (the anchor), the next token sampled from it exactly as the AR
     worker does — while both caches still commit that row, so speculation resumes as soon as the
     batch shrinks. On a CPU whose verify rows cost compute once a batch is large, this keeps
-    large batches at AR speed (docs/benchmarks.md, session 5). ``last_step_speculative`` says
-    which kind the last step was (the engine counts plain steps apart from speculative rounds).
+    large batches at AR speed (docs/benchmarks.md, session 5). ``speculates(batch)`` says which
+    kind a step over ``batch`` requests is (the engine counts plain steps apart from rounds).
     """
 
     def __init__(self, runner: LlamaRunner, drafter: DFlashDrafter, *, num_draft_tokens: int | None = None,
@@ -56,7 +56,6 @@ class DFlashWorker:
             raise ValueError(f"max_speculative_batch must be >= 0 (0 = never speculate), got {max_speculative_batch}")
         self.num_draft_tokens = num_draft_tokens or m
         self.max_speculative_batch = max_speculative_batch
-        self.last_step_speculative = True
         self.runner, self.drafter, self.cfg = runner, drafter, cfg
         cache = runner.cache
         self.context = SlotKVCache(num_layers=cfg.num_layers, num_slots=cache.num_slots, max_len=cache.max_len,
@@ -69,6 +68,10 @@ class DFlashWorker:
         """Zero the per-phase wall-clock totals of ``step`` (``phase_seconds``, ``steps``)."""
         self.phase_seconds = {"draft": 0.0, "verify": 0.0, "accept": 0.0, "commit": 0.0}
         self.steps = 0
+
+    def speculates(self, batch: int) -> bool:
+        """Whether a step over ``batch`` requests drafts and verifies (else it is a plain step)."""
+        return self.max_speculative_batch is None or batch <= self.max_speculative_batch
 
     @property
     def rows_per_round(self) -> int:  # target rows verified per round (capacity planning)
@@ -127,9 +130,7 @@ class DFlashWorker:
 
         Wall-clock time per phase accumulates in ``phase_seconds`` (what ``bench serve`` reports);
         a plain step (see the class docstring) is not a round and is not timed there."""
-        cap = self.max_speculative_batch
-        self.last_step_speculative = cap is None or len(slots) <= cap
-        if not self.last_step_speculative:
+        if not self.speculates(len(slots)):
             return self._plain_step(slots, anchors, params, generators)
         t0 = time.perf_counter()
         drafts, qs = self.propose(slots, anchors, params, generators)
@@ -161,9 +162,6 @@ class DFlashWorker:
 
     def _plain_step(self, slots: list[int], anchors: list[int], params, generators) -> list[list[int]]:
         """One target row per request: the AR step, plus the drafter context of that row."""
-        out = self.runner.forward(torch.tensor(anchors)[:, None], torch.tensor(slots), torch.ones(len(slots), dtype=torch.long))
-        emitted = [[sample_next(out.logits[b, 0], p, generators[b])] for b, p in enumerate(params)]
-        for slot in slots:
-            self.runner.cache.commit(slot, 1)
+        emitted, out = ar_step(self.runner, slots, anchors, params, generators)
         self._commit_context(slots, out.hidden, [1] * len(slots))
         return emitted

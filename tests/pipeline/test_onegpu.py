@@ -67,7 +67,7 @@ def test_features_equal_the_capture_servers(debug_target, tmp_path):
         assert torch.equal(feats.input_ids[start:start + n], item["input_ids"].long())
         assert torch.equal(feats.loss_mask[start:start + n], item["loss_mask"].bool())
     # a batch with a subset of the layers takes those columns
-    batch = feats.batch([1, 0], contract.layer_ids[-1:], debug_target.hidden_size)
+    batch = feats.select(feats.batch([1, 0]), contract.layer_ids[-1:])
     D, n0 = debug_target.hidden_size, feats.lengths[0]
     assert torch.equal(batch.hidden_states[1, :n0], expected[0]["hidden_states"][:, -D:].float())
     assert batch.attention_mask[1].sum() == n0 and not batch.hidden_states[1, n0:].any()
