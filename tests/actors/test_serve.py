@@ -178,3 +178,14 @@ def test_a_killed_replica_is_replaced(served):
     assert after["status"] == "ok"
     reply = client.completions.create(model=handle.model, prompt="Once upon a time", **GREEDY)
     assert reply.usage.completion_tokens == 12
+
+
+def test_replica_spec_carries_the_speculation_settings():
+    """serve.engine's num_speculative_tokens and max_speculative_batch reach every replica's Engine."""
+    from specray.actors.serve import replica_spec
+
+    cfg = load_config(ServeJobConfig, "manifests/serve.yaml",
+                      ["engine.num_speculative_tokens=2", "engine.max_speculative_batch=3"])
+    spec = replica_spec(cfg, None)
+    assert (spec.num_speculative_tokens, spec.max_speculative_batch) == (2, 3)
+    assert replica_spec(load_config(ServeJobConfig, "manifests/serve.yaml"), None).max_speculative_batch == 1
