@@ -1,0 +1,93 @@
+"""The worker protocol: everything the engine asks of an algorithm (DESIGN.md §5, the algorithm seam).
+
+The engine (``serving/engine.py``) owns requests, KV slots, stops, streaming and drafter
+versions; a worker owns one algorithm's drafter, its draft caches and its round
+(propose → verify → accept → commit). The engine reads nothing of a worker but this protocol.
+
+A speculative worker is registered in ``serving/workers/__init__.py`` under its algorithm and
+built by the engine with one signature (it clamps and validates ``num_speculative_tokens``
+itself, e.g. to its drafter's block; ``None`` means its own default):
+
+    worker = WORKERS[drafter.algorithm](runner, drafter, num_speculative_tokens=k, max_speculative_batch=b)
+
+How the engine drives it, for two requests in KV slots 0 and 1 (``serving/engine.py``):
+
+    logits = worker.prefill([0, 1], [prompt_a, prompt_b])   # [2, V]: each prompt's last row
+    anchors = [sample_next(logits[0], params_a, gen_a), sample_next(logits[1], params_b, gen_b)]
+    out = worker.step([0, 1], anchors, [params_a, params_b], [gen_a, gen_b])
+    out.tokens[0]      # [d1 .. dr, x*] emitted for request 0; x* is its next anchor (no KV yet)
+    out.accepted[0]    # r, of out.num_drafts[0] drafts verified
+    worker.release(0)  # request 0 finished: forget its draft state (the engine frees the target slot)
+
+The runner handed to a worker is the engine's shared target runner (one KV cache, slots
+allocated by the engine) seen with the drafter's ``capture_layer_ids``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class StepOutput:
+    """One ``step`` over B requests, in the order of its ``slots``.
+
+    A *speculative* step verified drafts: ``accepted[b] = r`` of ``num_drafts[b]`` draft
+    positions, and ``tokens[b] = [d1 .. dr, x*]`` (``r + 1`` tokens, x* the correction or bonus).
+    A *plain* step ran one target row per request: ``num_drafts = accepted = 0``, one token each.
+    For a tree, ``num_drafts`` is the tree's depth (the most drafts one path can accept) and
+    ``accepted`` the accepted path's length. A request that failed alone (non-finite logits,
+    ``serving/sampling.py``) has an error, no tokens, and must not be stepped again: the engine
+    fails it and releases its slot; the other requests' state is intact.
+    """
+
+    tokens: list[list[int]]  # [B][r_b + 1] emitted tokens per request ([] when it failed)
+    num_drafts: list[int]  # [B] draft positions verified (0: plain step)
+    accepted: list[int]  # [B] r: drafts accepted, 0 <= r <= num_drafts
+    speculative: bool  # the step drafted and verified (False: a plain step)
+    errors: list[BaseException | None] = field(default_factory=list)  # [B]; [] = none failed
+
+    def __post_init__(self) -> None:
+        self.errors = self.errors or [None] * len(self.tokens)
+        assert len(self.num_drafts) == len(self.accepted) == len(self.errors) == len(self.tokens)
+
+    @classmethod
+    def plain(cls, tokens: list[list[int]], errors: list[BaseException | None] | None = None) -> StepOutput:
+        """A plain step: one target row per request, no drafts."""
+        return cls(tokens, [0] * len(tokens), [0] * len(tokens), False, errors or [])
+
+
+@runtime_checkable
+class Worker(Protocol):
+    """What a worker gives the engine. Slots come from the engine; a worker keeps per-slot state
+    (its draft caches) from ``prefill`` until ``release``."""
+
+    @property
+    def max_verify_rows(self) -> int:
+        """Target rows one round may write per request (anchor + drafts; 1 for AR). The engine
+        admits a request only if prompt + max_tokens + this fits its KV (capacity planning)."""
+        ...
+
+    def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        """Run each prompt in its (fresh) slot and commit it in the target KV and the worker's own
+        caches; returns the last row's logits [B, V] (float32), from which the engine samples the
+        first token — the first anchor."""
+        ...
+
+    def step(self, slots: list[int], anchors: list[int], params: list, generators: list) -> StepOutput:
+        """One round for every request: ``anchors[b]`` is request b's last emitted token (no KV
+        yet), ``params[b]`` its ``SamplingParams``, ``generators[b]`` its ``torch.Generator``.
+        Commits the rows of the emitted prefix (``[a, d1 .. dr]``) in every cache."""
+        ...
+
+    def release(self, slot: int) -> None:
+        """The request in ``slot`` finished or failed: drop the worker's state for it."""
+        ...
+
+    def stats(self) -> dict:
+        """Counters since the worker was built: ``{"steps": speculative rounds, "phase_seconds":
+        {phase: wall seconds summed over those rounds}}`` (what ``bench serve`` reports)."""
+        ...
