@@ -11,9 +11,14 @@ directory without a marker that is never listed and whose number is never reused
 are monotonic: the next one is one more than the highest directory present. The registry
 assumes one publisher at a time (the trainer or the pipeline driver that exports).
 
-Nothing is validated here: an export for another target, or with corrupt weights, publishes
-fine and is refused where it is loaded (``load_drafter`` checks fingerprints, contract and
-sha256), so replicas keep serving the version they have.
+A version holds the export files and nothing else (``EXPORT_FILES``, the names
+``drafters/format.py`` writes). ``pull`` trusts no name it reads from the registry: a marker
+listing anything else (``../x``, an absolute path, a sub-directory, an unknown file) or a file
+that is not a regular file (a symlink on a ``file://`` registry) rejects the whole version
+(``RejectedVersionError``) before anything is written, and the poller reports it and never
+retries it. The export's content is not validated here: an export for another target, or with
+corrupt weights, publishes fine and is refused where it is loaded (``load_drafter`` checks
+fingerprints, contract and sha256), so replicas keep serving the version they have.
 """
 
 from __future__ import annotations
@@ -33,11 +38,16 @@ from specray.capture.store import open_fs
 log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
+EXPORT_FILES = ("config.json", "export.json", "model.safetensors")  # drafters/format.py's export directory
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 
 
 def version_dir(version: int) -> str:
     return f"v{version:06d}"
+
+
+class RejectedVersionError(ValueError):
+    """A version whose completion marker or files cannot be pulled safely; it is never pulled."""
 
 
 class DrafterRegistry:
@@ -74,19 +84,20 @@ class DrafterRegistry:
     def publish(self, export_dir: str | Path) -> int:
         """Copy an export directory in as the next version; returns its number."""
         source = Path(export_dir)
-        files = sorted(p for p in source.rglob("*") if p.is_file()) if source.is_dir() else []
+        files = sorted(source.iterdir()) if source.is_dir() else []
         if not files:
             raise FileNotFoundError(f"{source} is not a directory with files; publish an export dir (specray export)")
+        foreign = [p.name for p in files if p.name not in EXPORT_FILES or p.is_symlink() or not p.is_file()]
+        if foreign:
+            raise ValueError(f"{source} holds {foreign}, which a version cannot carry: an export directory holds "
+                             f"regular files named {', '.join(EXPORT_FILES)} only (specray export writes them)")
         version = max(self._numbers(), default=0) + 1
         target = f"{self.root}/{version_dir(version)}"
         self.fs.makedirs(target, exist_ok=True)
         for path in files:
-            rel = path.relative_to(source).as_posix()
-            if "/" in rel:
-                self.fs.makedirs(f"{target}/{rel.rsplit('/', 1)[0]}", exist_ok=True)
-            self.fs.put_file(str(path), f"{target}/{rel}")
+            self.fs.put_file(str(path), f"{target}/{path.name}")
         marker = {"version": version, "source": str(source.resolve()), "published_at": time.time(),
-                  "files": {p.relative_to(source).as_posix(): p.stat().st_size for p in files}}
+                  "files": {p.name: p.stat().st_size for p in files}}
         self.fs.pipe_file(f"{target}/{MARKER}", json.dumps(marker, indent=2).encode())  # last: the version is visible
         return version
 
@@ -98,16 +109,16 @@ class DrafterRegistry:
         source = f"{self.root}/{version_dir(version)}"
         if not self.fs.exists(f"{source}/{MARKER}"):
             raise FileNotFoundError(f"{self.uri} has no complete version {version}; it has {self.versions()}")
-        marker = json.loads(self.fs.cat_file(f"{source}/{MARKER}"))
+        marker_bytes = self.fs.cat_file(f"{source}/{MARKER}")
+        files = self._checked_files(version, source, marker_bytes)
         local.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=local.parent, prefix=f".{local.name}-"))
         try:
-            for rel, size in marker["files"].items():
-                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                self.fs.get_file(f"{source}/{rel}", str(tmp / rel))
-                if (tmp / rel).stat().st_size != size:
-                    raise OSError(f"{source}/{rel}: {(tmp / rel).stat().st_size} bytes, the registry recorded {size}")
-            (tmp / MARKER).write_text(json.dumps(marker, indent=2))
+            for name, size in files.items():
+                self.fs.get_file(f"{source}/{name}", str(tmp / name))
+                if (tmp / name).stat().st_size != size:
+                    raise OSError(f"{source}/{name}: {(tmp / name).stat().st_size} bytes, the registry recorded {size}")
+            (tmp / MARKER).write_bytes(marker_bytes)
             os.chmod(tmp, 0o755)
             try:
                 os.rename(tmp, local)
@@ -118,11 +129,33 @@ class DrafterRegistry:
             shutil.rmtree(tmp, ignore_errors=True)
         return local
 
+    def _checked_files(self, version: int, source: str, marker_bytes: bytes) -> dict[str, int]:
+        """The marker's ``{name: size}``, once every name is a plain export file name and every file
+        a regular file; else ``RejectedVersionError`` (nothing has been written yet)."""
+        try:
+            files = json.loads(marker_bytes)["files"]
+        except (ValueError, TypeError, KeyError) as e:
+            raise RejectedVersionError(f"{self.uri} version {version}: its {MARKER} marker is not a file list "
+                                       f"({type(e).__name__}: {e})") from None
+        if not isinstance(files, dict) or not all(type(size) is int and size >= 0 for size in files.values()):
+            raise RejectedVersionError(f"{self.uri} version {version}: its {MARKER} marker must map file names "
+                                       f"to sizes in bytes, got {str(files)[:200]}")
+        for name in files:
+            if name not in EXPORT_FILES:
+                raise RejectedVersionError(
+                    f"{self.uri} version {version} lists the file {name!r}; a version holds only "
+                    f"{', '.join(EXPORT_FILES)} (no paths), so it is not pulled")
+            info = self.fs.info(f"{source}/{name}")
+            if info["type"] != "file" or info.get("islink"):
+                raise RejectedVersionError(f"{self.uri} version {version}: {name} is not a regular file "
+                                           f"({'a symlink' if info.get('islink') else info['type']}), so it is not pulled")
+        return files
+
 
 class RegistryPoller:
     """Every ``interval_s``, pull the registry's latest version if it is newer than any seen and
     hand it to ``engine.load_drafter`` (which validates it in the background and switches between
-    steps). A version the engine rejects is not retried; a registry that cannot be read is
+    steps). A version the registry refuses to pull or the engine rejects is not retried; a registry that cannot be read is
     retried at the next poll (``last_error`` says why)."""
 
     def __init__(self, registry: DrafterRegistry, engine, *, cache_dir: str | Path, interval_s: float = 10.0,
@@ -143,7 +176,13 @@ class RegistryPoller:
         latest = self.registry.latest()
         if latest is None or latest <= self.seen:
             return None
-        local = self.registry.pull(latest, self.cache_dir)
+        try:
+            local = self.registry.pull(latest, self.cache_dir)
+        except RejectedVersionError as e:
+            self.seen = latest
+            self.last_error = f"version {latest} rejected: {e}"
+            log.warning("%s", self.last_error)
+            return None
         self.seen = latest
         error = self.engine.load_drafter(str(local), latest).exception(timeout=self.load_timeout_s)
         if error is not None:
