@@ -8,6 +8,12 @@ Layout under a run's checkpoint directory::
         state.pt            # torch.save({step, optimizer, scheduler, loader, rng, extra})
       latest                # text file: "step-00000012"
 
+``state.pt`` holds only tensors and plain values (dict, list, tuple, str, int, float, bool,
+None), checked before it is written, and is read with ``torch.load(weights_only=True)``: a
+checkpoint is data, and whoever can write checkpoint storage must not be able to run code in
+the trainers or the driver. A ``state.pt`` that needs more (written by an older specray, which
+pickled numpy's RNG state, or tampered with) is refused.
+
 A save writes ``.tmp-step-…`` next to the final directory and renames it into place, then
 replaces ``latest`` with ``os.replace``; a crash at any moment leaves either the previous
 checkpoint or the new one, never a half-written directory that ``latest_checkpoint`` would
@@ -23,11 +29,13 @@ writer per directory: rank 0). Usage::
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import re
 import shutil
 import uuid
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,11 +48,22 @@ STATE_FILE = "state.pt"
 LATEST_FILE = "latest"
 TMP_PREFIX = ".tmp-"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
+# What torch.load(weights_only=True) reads, by exact type (a numpy float is a float, but not plain)
+_MAPPINGS = (dict, OrderedDict)
+_SEQUENCES = (list, tuple, torch.Size)
+_SCALARS = (str, int, float, bool, type(None))
 
 
 def capture_rng_state() -> dict:
-    """Every RNG a training step draws from: torch CPU, python ``random``, numpy, and CUDA."""
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """Every RNG a training step draws from: torch CPU, python ``random``, numpy, and CUDA.
+
+    Plain values and tensors only (numpy's state array becomes an int64 tensor), so the state
+    loads with ``weights_only=True``.
+    """
+    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    numpy_state = {"bit_generator": name, "keys": torch.from_numpy(keys.astype(np.int64)),  # [624]
+                   "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy_state}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -57,7 +76,9 @@ def restore_rng_state(state: dict) -> None:
         raise ValueError(f"RNG state lacks {sorted(missing)}; pass what capture_rng_state() returned")
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    n = state["numpy"]
+    np.random.set_state((n["bit_generator"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
     if "cuda" in state:
         if torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda"])
@@ -111,6 +132,21 @@ def _write_latest(directory: Path, name: str) -> None:
     _fsync(directory)
 
 
+def _check_plain(value, where: str) -> None:
+    """Raise ``TypeError`` naming the first value ``torch.load(weights_only=True)`` would refuse."""
+    if type(value) in _MAPPINGS:
+        for key, item in value.items():
+            if type(key) not in (str, int):
+                raise TypeError(f"checkpoint state {where} has a key of type {type(key).__name__}; use str or int keys")
+            _check_plain(item, f"{where}[{key!r}]")
+    elif type(value) in _SEQUENCES:
+        for index, item in enumerate(value):
+            _check_plain(item, f"{where}[{index}]")
+    elif type(value) not in _SCALARS and not isinstance(value, torch.Tensor):
+        raise TypeError(f"checkpoint state {where} is a {type(value).__name__}; a checkpoint holds only tensors and "
+                        "plain values (dict, list, tuple, str, int, float, bool, None): convert it (e.g. str(path))")
+
+
 def _prune(directory: Path, keep: Path, keep_last: int) -> None:
     """Keep ``keep`` (the checkpoint just written) and the newest ``keep_last - 1`` others."""
     others = [path for _, path in _step_dirs(directory) if path != keep]
@@ -134,6 +170,9 @@ def save_checkpoint(
     bad = [k for k, v in model.items() if not isinstance(v, torch.Tensor)]
     if bad:
         raise TypeError(f"model must map names to tensors; {bad} are not tensors (pass module.state_dict())")
+    state = {"step": step, "optimizer": optimizer, "scheduler": scheduler, "loader": loader, "rng": rng, "extra": extra or {}}
+    for name, value in state.items():
+        _check_plain(value, name)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     for leftover in directory.glob(f"{TMP_PREFIX}*"):  # crashed saves: never complete, never read
@@ -147,7 +186,6 @@ def save_checkpoint(
     tmp = directory / f"{TMP_PREFIX}{name}-{uuid.uuid4().hex}"
     tmp.mkdir()
     save_file({k: v.detach().cpu().contiguous() for k, v in model.items()}, str(tmp / MODEL_FILE))
-    state = {"step": step, "optimizer": optimizer, "scheduler": scheduler, "loader": loader, "rng": rng, "extra": extra or {}}
     torch.save(state, tmp / STATE_FILE)
     for path in (tmp / MODEL_FILE, tmp / STATE_FILE, tmp):
         _fsync(path)
@@ -196,7 +234,16 @@ def load_checkpoint(path_or_directory: str | Path) -> Checkpoint:
     missing = [f for f in (MODEL_FILE, STATE_FILE) if not (path / f).is_file()]
     if missing:
         raise FileNotFoundError(f"checkpoint {path} is incomplete: {missing} missing; load another step")
-    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)  # our own file
+    try:
+        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        needs = re.search(r"GLOBAL (\S+)", str(e))
+        raise ValueError(
+            f"checkpoint {path / STATE_FILE} holds objects that torch.load(weights_only=True) refuses "
+            f"({'it needs ' + needs.group(1) if needs else 'not plain data'}): it was written by an older specray "
+            "(which pickled numpy's RNG state) or tampered with, and loading it would run code from checkpoint "
+            "storage. Resume from a checkpoint this specray wrote, or start from scratch"
+        ) from None
     return Checkpoint(
         path=path, step=state["step"], model=load_file(str(path / MODEL_FILE)), optimizer=state["optimizer"],
         scheduler=state["scheduler"], loader=state["loader"], rng=state["rng"], extra=state["extra"],

@@ -151,3 +151,51 @@ def test_missing_checkpoint_is_file_not_found(tmp_path):
         load_checkpoint(tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError, match="no complete checkpoint under"):
         load_checkpoint(tmp_path)
+
+
+def test_state_loads_with_weights_only(tmp_path):
+    """Nothing in state.pt needs pickle's code execution: torch.load(weights_only=True) reads it."""
+    model, opt, sched = _trained()
+    np.random.seed(7)
+    np.random.rand(3)  # a numpy state with a cached position
+    np.random.standard_normal()  # and a cached gaussian
+    path = save_checkpoint(tmp_path, 3, model=dict(model.state_dict()), optimizer=opt.state_dict(),
+                           scheduler=sched.state_dict(), loader={"epoch": 0}, rng=capture_rng_state(),
+                           extra={"config": {"betas": (0.9, 0.95), "name": "x"}})
+    state = torch.load(path / "state.pt", weights_only=True)
+    assert state["step"] == 3 and state["extra"]["config"]["name"] == "x"
+    expected = (np.random.rand(2), np.random.standard_normal())
+    restore_rng_state(load_checkpoint(path).rng)
+    got = (np.random.rand(2), np.random.standard_normal())
+    assert np.array_equal(got[0], expected[0]) and got[1] == expected[1]
+
+
+def test_a_state_that_needs_pickle_is_refused_before_it_is_written(tmp_path):
+    from pathlib import PurePosixPath
+
+    with pytest.raises(TypeError, match=r"extra\['where'\].*PurePosixPath.*plain"):
+        _save(tmp_path, 1, extra={"where": PurePosixPath("/x")})
+    with pytest.raises(TypeError, match=r"extra\['metrics'\]\[0\]\['loss'\] is a float64"):
+        _save(tmp_path, 1, extra={"metrics": [{"loss": np.float64(0.5)}]})  # a float, but pickled as numpy
+    assert latest_checkpoint(tmp_path) is None
+
+
+class _Payload:
+    """A pickled object that runs code when loaded, as a hostile state.pt would."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_checkpoint_that_runs_code_when_unpickled_is_refused(tmp_path):
+    path = _save(tmp_path, 2)
+    marker = tmp_path / "pwned"
+    state = torch.load(path / "state.pt", weights_only=True)
+    state["extra"] = {"payload": _Payload(marker)}
+    torch.save(state, path / "state.pt")
+    with pytest.raises(ValueError, match=r"state.pt .*weights_only.*re-?save|older specray|untrusted"):
+        load_checkpoint(path)
+    assert not marker.exists(), "loading the checkpoint ran code from it"
