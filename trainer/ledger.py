@@ -70,6 +70,10 @@ class LedgerError(ValueError):
     """The ledger is torn, has a gap, has a second writer, or contradicts itself."""
 
 
+def _txn_name(seq: int) -> str:
+    return f"txn-{seq:010d}.json"
+
+
 def ref_to_json(ref: SampleRef) -> dict:
     return asdict(ref)
 
@@ -102,7 +106,7 @@ class Ledger:
         return f"Ledger({self.uri!r})"
 
     def _path(self, seq: int) -> str:
-        return f"{self.root}/txn-{seq:010d}.json"
+        return f"{self.root}/{_txn_name(seq)}"
 
     def _seqs(self) -> list[int]:
         try:
@@ -213,32 +217,103 @@ class Ledger:
 
 @dataclass
 class LedgerState:
-    """What replaying the transactions gives (built by ``Ledger.replay``)."""
+    """What replaying the transactions gives (built by ``Ledger.replay``).
+
+    Replay checks that the history is one a gang can write, and raises ``LedgerError`` naming
+    the first transaction that breaks it: attempt ids increase and an attempt resumes from an
+    earlier attempt's checkpoint (never its own, which would loop the lineage); a window is
+    dispatched once, by a recorded attempt, at the step after the attempt's last trained one;
+    an attempt trains consecutive steps from its parent's step + 1, each the window dispatched
+    for that step with exactly its samples; an attempt that dispatched windows checkpoints only
+    its resumed step or a step it trained (an attempt that never dispatched, e.g. offline
+    training, is not checked).
+    """
 
     attempts: dict[int, dict] = field(default_factory=dict)  # attempt id -> attempt txn body
     windows: dict[str, list[SampleRef]] = field(default_factory=dict)  # window id -> refs, in dispatch order
     trained: dict[int, list[dict]] = field(default_factory=dict)  # attempt -> trained bodies, by step
     checkpoints: list[dict] = field(default_factory=list)  # checkpointed bodies, in write order
     deleted_windows: set[str] = field(default_factory=set)
+    _dispatched_by: dict[str, tuple[int, int, int]] = field(default_factory=dict, repr=False)  # window -> (seq, attempt, step)
+    _dispatching: set[int] = field(default_factory=set, repr=False)  # attempts that dispatched a window
+    _attempt_seq: dict[int, int] = field(default_factory=dict, repr=False)  # attempt -> seq of its txn
 
     @classmethod
     def from_txns(cls, txns: Iterable[Txn]) -> "LedgerState":
         state = cls()
         for txn in txns:
-            body = txn.body
-            if txn.kind == "attempt":
-                state.attempts[body["attempt"]] = body
-            elif txn.kind == "dispatched":
-                state.windows[body["window"]] = [ref_from_json(r) for r in body["refs"]]
-            elif txn.kind == "trained":
-                if body["window"] not in state.windows:
-                    raise LedgerError(f"txn {txn.seq}: window {body['window']} was trained but never dispatched")
-                state.trained.setdefault(body["attempt"], []).append(body)
-            elif txn.kind == "checkpointed":
-                state.checkpoints.append(body)
-            else:
-                state.deleted_windows.update(body["windows"])
+            getattr(state, f"_apply_{txn.kind}")(txn)
+        for attempt, body in state.attempts.items():
+            parent = body["parent"]
+            if parent and parent["attempt"] in state.attempts and parent["attempt"] > attempt:
+                raise LedgerError(f"{_txn_name(state._attempt_seq[attempt])} (attempt): attempt {attempt} resumes from "
+                                  f"attempt {parent['attempt']}, which started later; restore the ledger from a backup")
         return state
+
+    def _floor(self, attempt: int) -> int:
+        parent = self.attempts[attempt]["parent"]
+        return parent["step"] if parent else 0
+
+    def _last_step(self, attempt: int) -> int:
+        trained = self.trained.get(attempt)
+        return trained[-1]["step"] if trained else self._floor(attempt)
+
+    def _apply_attempt(self, txn: Txn) -> None:
+        body, where = txn.body, f"{_txn_name(txn.seq)} (attempt)"
+        attempt, parent = body["attempt"], body["parent"]
+        if self.attempts and attempt <= max(self.attempts):
+            raise LedgerError(f"{where}: attempt {attempt} starts after attempt {max(self.attempts)}; attempt ids "
+                              "increase with every start (a second writer?); restore the ledger from a backup")
+        if parent and parent["attempt"] == attempt:
+            raise LedgerError(f"{where}: attempt {attempt} resumes from a checkpoint of itself; "
+                              "restore the ledger from a backup")
+        self.attempts[attempt] = body
+        self._attempt_seq[attempt] = txn.seq
+
+    def _apply_dispatched(self, txn: Txn) -> None:
+        body, where = txn.body, f"{_txn_name(txn.seq)} (dispatched)"
+        attempt, step, window = body["attempt"], body["step"], body["window"]
+        if window in self._dispatched_by:
+            raise LedgerError(f"{where}: window {window} was dispatched already by "
+                              f"{_txn_name(self._dispatched_by[window][0])}; restore the ledger from a backup")
+        if attempt not in self.attempts:
+            raise LedgerError(f"{where}: attempt {attempt} dispatches window {window} but has no attempt txn before it")
+        if step != self._last_step(attempt) + 1:
+            raise LedgerError(f"{where}: attempt {attempt} dispatches step {step}, but its next step is "
+                              f"{self._last_step(attempt) + 1}; restore the ledger from a backup")
+        self.windows[window] = [ref_from_json(r) for r in body["refs"]]
+        self._dispatched_by[window] = (txn.seq, attempt, step)
+        self._dispatching.add(attempt)
+
+    def _apply_trained(self, txn: Txn) -> None:
+        body, where = txn.body, f"{_txn_name(txn.seq)} (trained)"
+        attempt, step, window = body["attempt"], body["step"], body["window"]
+        if window not in self._dispatched_by:
+            raise LedgerError(f"{where}: window {window} was trained but never dispatched")
+        if step != self._last_step(attempt) + 1:
+            raise LedgerError(f"{where}: attempt {attempt} trains step {step} after step {self._last_step(attempt)}; "
+                              "an attempt trains consecutive steps once each; restore the ledger from a backup")
+        seq, by, at = self._dispatched_by[window]
+        if (by, at) != (attempt, step):
+            raise LedgerError(f"{where}: window {window} was dispatched for attempt {by} step {at} "
+                              f"({_txn_name(seq)}), not attempt {attempt} step {step}")
+        expected = sorted(ref.sample_id for ref in self.windows[window])
+        if sorted(body["sample_ids"]) != expected:
+            raise LedgerError(f"{where}: attempt {attempt} step {step} acknowledged {sorted(body['sample_ids'])} "
+                              f"but window {window} holds {expected}")
+        self.trained.setdefault(attempt, []).append(body)
+
+    def _apply_checkpointed(self, txn: Txn) -> None:
+        attempt, step = txn.body["attempt"], txn.body["step"]
+        trained = {t["step"] for t in self.trained.get(attempt, [])}
+        if attempt in self._dispatching and step != self._floor(attempt) and step not in trained:
+            raise LedgerError(f"{_txn_name(txn.seq)} (checkpointed): step {step} of attempt {attempt}, which it never "
+                              f"trained (its last trained step is {self._last_step(attempt)}); restore the ledger from a "
+                              "backup")
+        self.checkpoints.append(txn.body)
+
+    def _apply_deleted(self, txn: Txn) -> None:
+        self.deleted_windows.update(txn.body["windows"])
 
     @property
     def next_attempt(self) -> int:
@@ -259,12 +334,8 @@ class LedgerState:
             a, s = current
             if a not in self.attempts:
                 raise LedgerError(f"checkpoint (attempt {a}, step {s}) names an attempt the ledger has no attempt txn for")
-            parent = self.attempts[a]["parent"]
-            floor = parent["step"] if parent else 0
-            mine = [t for t in self.trained.get(a, []) if t["step"] <= s]
-            if any(t["step"] <= floor for t in mine):
-                raise LedgerError(f"attempt {a} trained step <= {floor}, the step it resumed from")
-            parts.append(mine)
+            parent = self.attempts[a]["parent"]  # an earlier attempt (checked by replay): the walk ends
+            parts.append([t for t in self.trained.get(a, []) if t["step"] <= s])
             current = (parent["attempt"], parent["step"]) if parent else None
         return [t for part in reversed(parts) for t in part]
 

@@ -153,3 +153,67 @@ def test_ledger_on_s3(seaweedfs):
     ledger.fs.pipe_file(f"{ledger.root}/txn-0000000003.json", b'{"seq": 3, "ki')
     with pytest.raises(LedgerError, match="txn-0000000003.json is torn"):
         ledger.replay()
+
+
+def _started(ledger: Ledger, *steps: tuple[str, str]) -> None:
+    """Attempt 0 trains one window per (window, sample ids) pair, steps 1, 2, …"""
+    ledger.attempt(0, parent=None, world_size=1, quantum=2, checkpoint=None, run="r")
+    for step, (window, ids) in enumerate(steps, start=1):
+        ledger.dispatched(0, step, window, _refs(*ids))
+        ledger.trained(0, step, window, list(ids))
+
+
+def _duplicate_step(ledger):
+    _started(ledger, ("w1", "ab"))
+    ledger.trained(0, 1, "w1", ["a", "b"])
+
+
+def _gapped_steps(ledger):
+    _started(ledger, ("w1", "ab"))
+    ledger.append("dispatched", attempt=0, step=3, window="w3", refs=[])
+    ledger.trained(0, 3, "w3", [])
+
+
+def _checkpoint_of_an_untrained_step(ledger):
+    _started(ledger, ("w1", "ab"), ("w2", "cd"))
+    ledger.checkpointed(0, 5, "ck-0-5")
+
+
+def _window_dispatched_twice(ledger):
+    _started(ledger, ("w1", "ab"))
+    ledger.dispatched(0, 2, "w1", _refs("c", "d"))
+
+
+def _attempt_resumed_from_itself(ledger):
+    _started(ledger, ("w1", "ab"))
+    ledger.checkpointed(0, 1, "ck-0-1")
+    ledger.attempt(1, parent=(1, 1), world_size=1, quantum=2, checkpoint="ck-0-1", run="r")
+
+
+def _trained_other_samples(ledger):
+    _started(ledger, ("w1", "ab"))
+    ledger.dispatched(0, 2, "w2", _refs("c", "d"))
+    ledger.trained(0, 2, "w2", ["c", "x"])
+
+
+def _parent_recorded_after_its_child(ledger):
+    ledger.attempt(0, parent=(1, 0), world_size=1, quantum=2, checkpoint="ck", run="r")
+    ledger.attempt(1, parent=(0, 0), world_size=1, quantum=2, checkpoint="ck", run="r")
+
+
+@pytest.mark.parametrize("history, error", [
+    (_duplicate_step, r"txn-0000000003.json \(trained\): attempt 0 trains step 1 after step 1"),
+    (_gapped_steps, r"txn-0000000003.json \(dispatched\): attempt 0 dispatches step 3, but its next step is 2"),
+    (_checkpoint_of_an_untrained_step, r"txn-0000000005.json \(checkpointed\): step 5 of attempt 0, which it never trained"),
+    (_window_dispatched_twice, r"txn-0000000003.json \(dispatched\): window w1 was dispatched already by txn-0000000001"),
+    (_attempt_resumed_from_itself, r"txn-0000000004.json \(attempt\): attempt 1 resumes from a checkpoint of itself"),
+    (_trained_other_samples, r"txn-0000000004.json \(trained\): .*\['c', 'x'\] but window w2 holds \['c', 'd'\]"),
+    (_parent_recorded_after_its_child, r"txn-0000000000.json \(attempt\): attempt 0 resumes from attempt 1, "
+                                       r"which started later"),
+], ids=["duplicate-step", "gapped-steps", "untrained-checkpoint", "window-twice", "own-parent", "other-samples",
+        "later-parent"])
+def test_replay_refuses_an_inconsistent_history_naming_the_transaction(tmp_path, history, error):
+    ledger = Ledger(str(tmp_path))
+    history(ledger)
+    with pytest.raises(LedgerError, match=error):
+        ledger.replay()
