@@ -55,11 +55,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field, field_validator
 from torch import nn
+
+from specray.drafters.common import DrafterSectionBase, DraftVocabHead, Linear, RMSNorm, apply_rope, target_sizes
 
 
 @dataclass(frozen=True)
@@ -117,57 +120,61 @@ class DFlashConfig:
         return cls(**data)
 
 
-SMALL_M = 64  # inference products with at most this many rows take the (W @ xᵀ)ᵀ layout
+def default_mask_token_id(tokenizer) -> int:
+    """The tokenizer's mask token, else its unk token, else 0."""
+    for candidate in (getattr(tokenizer, "mask_token_id", None), tokenizer.unk_token_id):
+        if candidate is not None:
+            return int(candidate)
+    return 0
 
 
-def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weightᵀ (+ bias)`` for x [..., in]; at inference with few rows on CPU, as ``(W @ xᵀ)ᵀ``.
+class DFlashSection(DrafterSectionBase):
+    """The manifest's ``drafter`` section for ``algorithm: dflash`` (sizes left unset are the target's)."""
 
-    Serving runs the drafter on a handful of rows, where ``F.linear``'s ``x @ Wᵀ`` takes a slow
-    small-M path on CPU (2–6× slower than MKL's gemm with the weight as the left operand for
-    SmolLM2's shapes, docs/benchmarks.md), the layout ``serving/runner.py`` uses too. A lone row
-    is computed twice: a 2-row gemm beats the mat-vec (an expanded view's zero stride sends ``mm``
-    to a slow path, so the copy is contiguous). Training (grad enabled) keeps ``F.linear``.
-    """
-    flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[0] > SMALL_M or torch.is_grad_enabled() or flat.device.type != "cpu":
-        return F.linear(x, weight, bias)
-    rows = flat if len(flat) > 1 else flat.expand(2, -1).contiguous()
-    out = (weight @ rows.T).T[: len(flat)]
-    if bias is not None:
-        out = out + bias
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+    algorithm: Literal["dflash"] = Field("dflash", description="drafter to train; its features must be captured "
+                                                               "with capture.algorithm=dflash")
+    num_layers: int = Field(1, gt=0, description="draft decoder layers")
+    num_heads: int | None = Field(None, gt=0, description="attention heads (None = the target's)")
+    num_kv_heads: int | None = Field(None, gt=0, description="K/V heads (None = the target's)")
+    head_dim: int | None = Field(None, gt=0, description="per-head dim (None = the target's)")
+    intermediate_size: int | None = Field(None, gt=0, description="MLP width (None = the target's)")
+    block_size: int = Field(8, description="B: anchor + B-1 draft tokens per block (>= 2)")
+    attention: Literal["full", "sliding"] = Field("full", description="full: bidirectional in block; sliding: causal + window")
+    sliding_window: int | None = Field(None, gt=0, description="context positions visible with attention=sliding")
+    mask_token_id: int | None = Field(None, ge=0, description="MASK token (None = tokenizer's mask, else unk, else 0)")
 
+    @field_validator("block_size")
+    @classmethod
+    def _block(cls, value: int) -> int:
+        if value < 2:
+            raise ValueError("block_size must be >= 2 (one anchor + at least one draft token); DFlash uses 8-16")
+        return value
 
-class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters and state-dict keys) whose inference takes ``small_m_linear``."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return small_m_linear(x, self.weight, self.bias)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def drafter_config(self, target: Any, layer_ids: tuple[int, ...]) -> DFlashConfig:
+        """The model config of this section for ``target``, reading the captured ``layer_ids``."""
+        sizes = target_sizes(target)
+        mask = self.mask_token_id if self.mask_token_id is not None else default_mask_token_id(target.tokenizer)
+        return DFlashConfig(
+            hidden_size=target.hidden_size, vocab_size=target.vocab_size, target_layer_ids=tuple(layer_ids),
+            mask_token_id=mask, num_layers=self.num_layers,
+            num_heads=self.num_heads or sizes["num_heads"], num_kv_heads=self.num_kv_heads or sizes["num_kv_heads"],
+            head_dim=self.head_dim or sizes["head_dim"],
+            intermediate_size=self.intermediate_size or sizes["intermediate_size"],
+            block_size=self.block_size, attention=self.attention, sliding_window=self.sliding_window,
+            draft_vocab_size=self.draft_vocab_size, rms_norm_eps=sizes["rms_norm_eps"], rope_theta=sizes["rope_theta"],
+        )
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding (Llama's rotate-half layout). x [..., H, T, hd], positions [..., T]."""
-    half = x.shape[-1] // 2
-    inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)  # [hd/2]
-    angles = positions.to(torch.float32)[..., None] * inv_freq  # [..., T, hd/2]
-    cos = torch.cat([angles.cos(), angles.cos()], dim=-1).unsqueeze(-3).to(x.dtype)  # [..., 1, T, hd]
-    sin = torch.cat([angles.sin(), angles.sin()], dim=-1).unsqueeze(-3).to(x.dtype)
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def debug_config(target: Any, layer_ids: tuple[int, ...] | None = None) -> DFlashConfig:
+    """A tiny DFlash config for tests on ``target`` (1 layer, 4 heads of 16, B = 4), reading
+    ``layer_ids`` (None: low, middle and high layers ``(1, L // 2, L - 3)``)."""
+    L = target.model.config.num_hidden_layers
+    return DFlashConfig(
+        hidden_size=target.hidden_size, vocab_size=target.vocab_size,
+        target_layer_ids=tuple(layer_ids) if layer_ids is not None else (1, L // 2, L - 3),
+        mask_token_id=default_mask_token_id(target.tokenizer), num_layers=1, num_heads=4, num_kv_heads=2,
+        head_dim=16, intermediate_size=128, block_size=4,
+    )
 
 
 class DFlashAttention(nn.Module):
@@ -265,19 +272,7 @@ def block_attention_mask(
     return mask
 
 
-def check_draft_vocab(ids: torch.Tensor, config: DFlashConfig) -> None:
-    """Raise ValueError unless ``ids`` are ``draft_vocab_size`` distinct ascending ids in [0, V)."""
-    if config.draft_vocab_size is None:
-        raise ValueError("this drafter has no draft vocabulary (draft_vocab_size is None)")
-    if ids.ndim != 1 or len(ids) != config.draft_vocab_size:
-        raise ValueError(f"the draft vocabulary needs {config.draft_vocab_size} token ids, got shape {tuple(ids.shape)}")
-    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size):
-        raise ValueError(f"draft vocabulary ids must be in [0, {config.vocab_size}), got [{int(ids.min())}, {int(ids.max())}]")
-    if len(ids) > 1 and not bool((ids[1:] > ids[:-1]).all()):
-        raise ValueError("draft vocabulary ids must be distinct and ascending")
-
-
-class DFlashDrafter(nn.Module):
+class DFlashDrafter(DraftVocabHead, nn.Module):
     """The DFlash draft model; ``embed_tokens`` and ``lm_head`` are the target's (frozen, shared)."""
 
     algorithm = "dflash"
@@ -298,10 +293,7 @@ class DFlashDrafter(nn.Module):
         self._init_weights()
         # A tuple hides the shared modules from nn.Module: not parameters, not in state_dict.
         self._target_modules = (embed_tokens, lm_head)
-        # The draft vocabulary (target ids, ascending) is part of the export; set by set_draft_vocab.
-        V_d = config.draft_vocab_size
-        self.register_buffer("draft_vocab", None if V_d is None else torch.arange(V_d), persistent=True)
-        self._head_cache: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
+        self.init_draft_vocab()  # the draft vocabulary (target ids, ascending), part of the export
 
     def _init_weights(self) -> None:
         for module in self.modules():
@@ -319,48 +311,6 @@ class DFlashDrafter(nn.Module):
     @property
     def lm_head(self) -> nn.Linear:
         return self._target_modules[1]
-
-    def validate_state(self) -> None:
-        """Raise ValueError if loaded state is inconsistent with the config (a bad draft vocabulary)."""
-        if self.draft_vocab is not None:
-            check_draft_vocab(self.draft_vocab, self.config)
-
-    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
-        """Install the draft vocabulary: ``draft_vocab_size`` distinct target token ids."""
-        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().sort().values
-        check_draft_vocab(ids, self.config)
-        self.draft_vocab.copy_(ids)
-
-    def _head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The LM head rows the drafter predicts over: all V, or the draft vocabulary's V_d (cached)."""
-        weight, bias = self.lm_head.weight, self.lm_head.bias
-        if self.draft_vocab is None:
-            return weight, bias
-        key = (self.draft_vocab.data_ptr(), self.draft_vocab._version, weight.data_ptr(), weight._version)
-        if self._head_cache is None or self._head_cache[0] != key:
-            rows = weight.detach()[self.draft_vocab]  # frozen, so a copy is exact
-            self._head_cache = (key, rows, None if bias is None else bias.detach()[self.draft_vocab])
-        return self._head_cache[1], self._head_cache[2]
-
-    def target_to_draft(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary index of each target token id, −1 where it is not in the draft vocabulary."""
-        if self.draft_vocab is None:
-            return token_ids
-        lookup = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=token_ids.device)
-        lookup[self.draft_vocab] = torch.arange(len(self.draft_vocab), device=token_ids.device)
-        return lookup[token_ids]
-
-    def draft_to_target(self, index: torch.Tensor) -> torch.Tensor:
-        """Target token ids of draft-vocabulary indices (the identity without a draft vocabulary)."""
-        return index if self.draft_vocab is None else self.draft_vocab[index]
-
-    def to_target_distribution(self, q: torch.Tensor) -> torch.Tensor:
-        """A distribution over the draft vocabulary [..., V_d] as one over the target's [..., V] (zeros outside)."""
-        if self.draft_vocab is None:
-            return q
-        full = q.new_zeros(*q.shape[:-1], self.config.vocab_size)
-        full[..., self.draft_vocab] = q
-        return full
 
     def project_context(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Target features [Bt, S, L·D] -> context C [Bt, S, D]."""
@@ -387,19 +337,6 @@ class DFlashDrafter(nn.Module):
         for i, (layer, (k, v)) in enumerate(zip(self.layers, ctx_kv)):
             x = layer(x, positions, k, v, mask, out_rows if i == last else None)
         return self.norm(x)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The shared LM head over [..., D] -> [..., V], or [..., V_d] over the draft vocabulary's rows.
-
-        Serving drafts a few rows (B × m): there, on CPU, ``x @ Wᵀ`` for the [V, D] head runs
-        through a slow small-M path (35 ms for 7 rows of SmolLM2's 49,152 × 576 head, against
-        8 ms for ``(W @ xᵀ)ᵀ``, the layout ``serving/runner.py`` uses too). Inference with at
-        most 64 rows takes that layout, a lone row computed twice (as the runner does: a 2-row
-        gemm beats the mat-vec, 0.5 against 1 ms for an 8,192-row head); training keeps
-        ``F.linear`` (bit-identical gradients).
-        """
-        weight, bias = self._head()
-        return small_m_linear(hidden.to(weight.dtype), weight, bias)
 
     def forward(self, hidden_states, context_valid, anchor_ids, anchors) -> torch.Tensor:
         """Training forward over many blocks per sequence.

@@ -1,8 +1,8 @@
 """The exported-drafter directory: what serving loads, and the checks that guard it.
 
-    <dir>/config.json        format_version, algorithm, architecture (the drafter config),
-                             capture_contract, target_fingerprint, template_fingerprint,
-                             block_size, mask_token_id
+    <dir>/config.json        format_version, algorithm, architecture (the algorithm's model
+                             config: its ``to_dict()``, every algorithm-specific field lives
+                             there), capture_contract, target_fingerprint, template_fingerprint
     <dir>/model.safetensors  the drafter's own weights (never the target's embedding/LM head)
     <dir>/export.json        provenance: run, steps, tokens, metrics, sha256 of model.safetensors
 
@@ -24,7 +24,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from specray.drafters import DRAFTERS
+from specray.drafters import DRAFTERS, get_drafter
 
 FORMAT_VERSION = 1
 
@@ -59,8 +59,6 @@ def save_drafter(out_dir: str | Path, model: nn.Module, *, contract: dict, prove
             "capture_contract": contract,
             "target_fingerprint": contract["target_fingerprint"],
             "template_fingerprint": contract["template_fingerprint"],
-            "block_size": cfg.block_size,
-            "mask_token_id": cfg.mask_token_id,
         }
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         export = dict(provenance, weights_sha256=_sha256(tmp / "model.safetensors"),
@@ -84,7 +82,8 @@ def read_drafter_config(export_dir: str | Path) -> dict:
             f"{path}: export format {config.get('format_version')!r}, this specray reads {FORMAT_VERSION}; re-export it"
         )
     if config.get("algorithm") not in DRAFTERS:
-        raise InvalidDrafterError(f"{path}: unknown algorithm {config.get('algorithm')!r}; known: {sorted(DRAFTERS)}")
+        raise InvalidDrafterError(f"{path}: algorithm {config.get('algorithm')!r} has no drafter here; "
+                                  f"implemented: {sorted(DRAFTERS)}")
     return config
 
 
@@ -108,12 +107,12 @@ def load_drafter(
     export = json.loads((path / "export.json").read_text())
     if _sha256(path / "model.safetensors") != export.get("weights_sha256"):
         raise InvalidDrafterError(f"{path}/model.safetensors does not match the sha256 in export.json (corrupt copy?)")
-    config_cls, model_cls = DRAFTERS[config["algorithm"]]
+    spec = get_drafter(config["algorithm"])
     try:
-        arch = config_cls.from_dict(config["architecture"])
+        arch = spec.config.from_dict(config["architecture"])
     except (TypeError, ValueError) as e:
         raise InvalidDrafterError(f"{path}: bad architecture in config.json: {e}") from None
-    model = model_cls(arch, embed_tokens=embed_tokens, lm_head=lm_head)
+    model = spec.model(arch, embed_tokens=embed_tokens, lm_head=lm_head)
     state = load_file(path / "model.safetensors")
     expected_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     got_shapes = {k: tuple(v.shape) for k, v in state.items()}
@@ -123,9 +122,8 @@ def load_drafter(
         wrong = sorted(k for k in set(expected_shapes) & set(got_shapes) if expected_shapes[k] != got_shapes[k])
         raise InvalidDrafterError(f"{path}: weights do not fit the architecture (missing {missing}, extra {extra}, wrong shape {wrong})")
     model.load_state_dict(state)
-    if hasattr(model, "validate_state"):
-        try:
-            model.validate_state()
-        except ValueError as e:
-            raise InvalidDrafterError(f"{path}: {e}") from None
+    try:
+        model.validate_state()
+    except ValueError as e:
+        raise InvalidDrafterError(f"{path}: {e}") from None
     return model.eval().requires_grad_(False)

@@ -23,4 +23,4 @@ def evaluate(model: nn.Module, model_config, strategy, loader: FeatureLoader, nu
         loss += float(batch_loss) / num_batches
         for name, value in metric.items():
             sums[name] = sums.get(name, 0) + value
-    return {"loss": loss, "blocks": int(sums["blocks"].sum()), **strategy.summarize(sums)}
+    return {"loss": loss, **strategy.summarize(sums)}

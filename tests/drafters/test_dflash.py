@@ -2,7 +2,8 @@ import pytest
 import torch
 from torch import nn
 
-from specray.drafters.dflash import SMALL_M, DFlashConfig, DFlashDrafter, Linear, block_attention_mask
+from specray.drafters.common import SMALL_M, Linear
+from specray.drafters.dflash import DFlashConfig, DFlashDrafter, block_attention_mask
 
 D, V, L = 32, 50, 3
 
@@ -113,7 +114,7 @@ def test_drafter_finds_the_anchor_through_a_long_context():
     gets a 1/S share of attention at init), with it position-1 accuracy passes 0.8.
     """
     from specray.trainer.loader import TrainBatch
-    from specray.trainer.strategies.dflash import DFlashStrategy
+    from specray.trainer.strategies.dflash import DFlashObjective, DFlashStrategy
 
     torch.manual_seed(0)
     V_, D_, S, Bt = 64, 64, 256, 4
@@ -124,7 +125,7 @@ def test_drafter_finds_the_anchor_through_a_long_context():
     head.weight = embed.weight
     cfg = DFlashConfig(hidden_size=D_, vocab_size=V_, target_layer_ids=(1,), mask_token_id=0, num_layers=1,
                        num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, block_size=4)
-    strategy = DFlashStrategy(num_anchors=8)
+    strategy = DFlashStrategy(DFlashObjective(num_anchors=8))
     model = strategy.build_model(cfg, embed_tokens=embed, lm_head=head)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(0)

@@ -61,7 +61,7 @@ def test_draft_vocabulary_loss_skips_uncovered_labels_and_counts_them_as_misses(
 
     from specray.drafters.dflash import DFlashConfig, DFlashDrafter
     from specray.trainer.loader import TrainBatch
-    from specray.trainer.strategies.dflash import DFlashStrategy
+    from specray.trainer.strategies.dflash import DFlashObjective, DFlashStrategy
 
     D, V, T = 16, 12, 10
     cfg = DFlashConfig(hidden_size=D, vocab_size=V, target_layer_ids=(1, 2), mask_token_id=0, num_layers=1,
@@ -76,7 +76,7 @@ def test_draft_vocabulary_loss_skips_uncovered_labels_and_counts_them_as_misses(
     batch = TrainBatch(input_ids=ids, loss_mask=torch.ones(1, T, dtype=torch.bool),
                        attention_mask=torch.ones(1, T, dtype=torch.bool), hidden_states=torch.randn(1, T, 2 * D),
                        last_hidden_states=None, sample_ids=["s"], num_tokens=T)
-    strategy = DFlashStrategy(num_anchors=3, gamma=2.0)
+    strategy = DFlashStrategy(DFlashObjective(num_anchors=3, gamma=2.0))
     loss, metrics = strategy.forward_loss(model, cfg, batch, strategy.generator(0, 0))
 
     anchors = sample_anchors(batch.loss_mask, 3, strategy.generator(0, 0))

@@ -6,12 +6,12 @@ import torch
 from specray.pipeline.capture_job import run_capture
 from specray.pipeline.config import CaptureJobConfig, TrainJobConfig, load_config
 from specray.pipeline.train_job import build_trainer
-from specray.trainer.strategies.dflash import DFlashStrategy
+from specray.trainer.strategies.dflash import DFlashObjective, DFlashStrategy
 
 
 def _evaluate(trainer, batches):
     """Teacher-forced metrics of the current drafter on fixed batches, up to 128 anchors each."""
-    strategy, model = DFlashStrategy(num_anchors=128), trainer.core.model.eval()
+    strategy, model = DFlashStrategy(DFlashObjective(num_anchors=128)), trainer.core.model.eval()
     sums = {}
     with torch.no_grad():
         for i, batch in enumerate(batches):

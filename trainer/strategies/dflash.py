@@ -31,10 +31,20 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from specray.drafters.dflash import DFlashConfig, DFlashDrafter
 from specray.trainer.loader import TrainBatch
+
+
+class DFlashObjective(BaseModel):
+    """The manifest's ``objective`` section when ``drafter.algorithm`` is dflash."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_anchors: int = Field(16, gt=0, description="blocks sampled per sequence per step")
+    gamma: float = Field(4.0, gt=0, description="position-weight decay w_j = exp(-(j-1)/gamma)")
 
 
 def valid_anchor_mask(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -93,14 +103,12 @@ class DFlashStrategy:
     """Builds the DFlash drafter and computes its loss and metrics on a TrainBatch."""
 
     algorithm = "dflash"
+    objective = DFlashObjective
+    evaluation = {"num_anchors": 64}  # held-out evaluation samples more blocks per sequence than a step
 
-    def __init__(self, *, num_anchors: int = 16, gamma: float = 4.0, seed: int = 0):
-        if num_anchors < 1:
-            raise ValueError(f"objective.num_anchors must be >= 1, got {num_anchors}")
-        if gamma <= 0:
-            raise ValueError(f"objective.gamma must be positive, got {gamma}")
-        self.num_anchors = num_anchors
-        self.gamma = gamma
+    def __init__(self, objective: DFlashObjective = DFlashObjective(), *, seed: int = 0):
+        self.num_anchors = objective.num_anchors
+        self.gamma = objective.gamma
         self.seed = seed
 
     def build_model(self, config: DFlashConfig, *, embed_tokens: nn.Embedding, lm_head: nn.Linear,
@@ -159,4 +167,5 @@ class DFlashStrategy:
             "coverage": float(sums["covered"].sum() / count.sum()),
             "acc": float(sums["correct"].sum() / count.sum()),
             "tau_tf": float(1 + sums["accepted"].sum() / blocks.sum()),
+            "blocks": int(sums["blocks"].sum()),
         }

@@ -1,0 +1,286 @@
+"""Model pieces every drafter shares: the small-M linear, RMSNorm, RoPE, the draft vocabulary,
+and the base of the manifest's ``drafter`` section.
+
+- ``small_m_linear`` / ``Linear``: at inference with a handful of rows on CPU, ``x @ Wᵀ`` takes
+  ``(W @ xᵀ)ᵀ`` (``weight_major_linear``, the layout ``serving/runner.py`` runs every target
+  projection in); training keeps ``F.linear``.
+- ``RMSNorm``, ``apply_rope`` (Llama's rotate-half layout, angles computed per position) and
+  ``rope_table`` / ``apply_rope_table`` (the same rotation from a precomputed, sign-folded table,
+  the serving runner's form).
+- **Draft vocabulary** (EAGLE-3's ``d2t`` / ``t2d``): a drafter may predict over ``V_d`` target
+  tokens only, the ascending ids of its ``draft_vocab`` buffer. ``DraftVocabHead`` gives a drafter
+  the buffer, the frozen target LM head restricted to those rows (``logits``) and the mappings
+  ``target_to_draft`` / ``draft_to_target`` / ``to_target_distribution``, so verification stays
+  over the whole target vocabulary (zero probability outside the draft vocabulary).
+  ``d2t_offsets`` / ``t2d_mask`` are the same mapping in the peer format's encoding.
+- ``DrafterSectionBase``: the fields every drafter section has (``algorithm``, ``init_from``,
+  ``draft_vocab_size``); each algorithm adds its own fields and ``drafter_config``.
+- ``DrafterSpec``: what the drafter registry (``specray.drafters.DRAFTERS``) holds per algorithm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+SMALL_M = 64  # inference products with at most this many rows take the (W @ xᵀ)ᵀ layout
+
+
+def weight_major_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None, *,
+                        row_major: bool = True) -> torch.Tensor:
+    """``x @ weightᵀ (+ residual)``: x [M, in] row-major, weight [out, in] -> [M, out].
+
+    Computed as ``(weight @ xᵀ)ᵀ``: for M >= 2 MKL's gemm then streams the weights at several
+    times the speed of the ``x @ Wᵀ`` kernel ``F.linear`` uses at small M (docs/benchmarks.md).
+    The product is [out, M]; the residual add writes it back row-major, or ``row_major=False``
+    leaves the transposed view for ops that copy anyway.
+    """
+    out = torch.mm(weight, x.t()).t()  # [M, out], a transposed view of the [out, M] product
+    if residual is not None:
+        return residual + out
+    return out.contiguous() if row_major else out
+
+
+def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weightᵀ (+ bias)`` for x [..., in]; at inference with few rows on CPU, ``weight_major_linear``.
+
+    Serving runs a drafter on a handful of rows, where ``F.linear``'s ``x @ Wᵀ`` takes a slow
+    small-M path on CPU (2–6× slower than the weight-major gemm for SmolLM2's shapes). A lone
+    row is computed twice: a 2-row gemm beats the mat-vec (an expanded view's zero stride sends
+    ``mm`` to a slow path, so the copy is contiguous). Training (grad enabled) keeps ``F.linear``.
+    """
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] > SMALL_M or torch.is_grad_enabled() or flat.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    rows = flat if len(flat) > 1 else flat.expand(2, -1).contiguous()
+    out = weight_major_linear(rows, weight, row_major=False)[: len(flat)]
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and state-dict keys) whose inference takes ``small_m_linear``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return small_m_linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (Llama's rotate-half layout). x [..., H, T, hd], positions [..., T]."""
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)  # [hd/2]
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # [..., T, hd/2]
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1).unsqueeze(-3).to(x.dtype)  # [..., 1, T, hd]
+    sin = torch.cat([angles.sin(), angles.sin()], dim=-1).unsqueeze(-3).to(x.dtype)
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def rope_table(max_len: int, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cosines and sign-folded sines of positions ``0 … max_len − 1``: ([max_len, hd], [max_len, hd]).
+
+    The sines are stored as ``[−sin, sin]`` halves, so ``apply_rope_table`` needs one flip, no negation.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq  # [max_len, hd/2]
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1).to(dtype)
+    sin = torch.cat([-angles.sin(), angles.sin()], dim=-1).to(dtype)
+    return cos, sin
+
+
+def apply_rope_table(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [N, heads, hd] with rows of ``rope_table``: cos/sin [N, 1, hd].
+
+    transformers: ``x * cos + rotate_half(x) * sin`` with ``rotate_half([x1, x2]) = [-x2, x1]``;
+    here ``flip([x1, x2]) * [-s, s] = [-x2 * s, x1 * s]``, the same products exactly.
+    """
+    N, heads, hd = x.shape
+    flipped = x.reshape(N, heads, 2, hd // 2).flip(2).reshape(N, heads, hd)
+    return torch.addcmul(x * cos, flipped, sin)
+
+
+# -- the draft vocabulary (d2t / t2d) ----------------------------------------------------------
+
+
+def check_draft_vocab(ids: torch.Tensor, draft_vocab_size: int | None, vocab_size: int) -> None:
+    """Raise ValueError unless ``ids`` are ``draft_vocab_size`` distinct ascending ids in [0, V)."""
+    if draft_vocab_size is None:
+        raise ValueError("this drafter has no draft vocabulary (draft_vocab_size is None)")
+    if ids.ndim != 1 or len(ids) != draft_vocab_size:
+        raise ValueError(f"the draft vocabulary needs {draft_vocab_size} token ids, got shape {tuple(ids.shape)}")
+    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"draft vocabulary ids must be in [0, {vocab_size}), got [{int(ids.min())}, {int(ids.max())}]")
+    if len(ids) > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        raise ValueError("draft vocabulary ids must be distinct and ascending")
+
+
+def target_to_draft(token_ids: torch.Tensor, draft_vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """Draft-vocabulary index of each target id, −1 outside it (the identity without a vocabulary).
+
+    Example: draft_vocab ``[2, 5, 9]``: target ids ``[5, 3, 9] -> [1, -1, 2]``.
+    """
+    if draft_vocab is None:
+        return token_ids
+    lookup = torch.full((vocab_size,), -1, dtype=torch.long, device=token_ids.device)
+    lookup[draft_vocab] = torch.arange(len(draft_vocab), device=token_ids.device)
+    return lookup[token_ids]
+
+
+def draft_to_target(index: torch.Tensor, draft_vocab: torch.Tensor | None) -> torch.Tensor:
+    """Target ids of draft-vocabulary indices: draft_vocab ``[2, 5, 9]``: ``[1, 2] -> [5, 9]``."""
+    return index if draft_vocab is None else draft_vocab[index]
+
+
+def to_target_distribution(q: torch.Tensor, draft_vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """A distribution over the draft vocabulary [..., V_d] as one over the target's [..., V] (zeros outside)."""
+    if draft_vocab is None:
+        return q
+    full = q.new_zeros(*q.shape[:-1], vocab_size)
+    full[..., draft_vocab] = q
+    return full
+
+
+def d2t_offsets(draft_vocab: torch.Tensor) -> torch.Tensor:
+    """[V_d] the peer format's ``d2t``: target id = draft index + d2t[index] (draft_vocab ``[2, 5, 9]`` -> ``[2, 4, 7]``)."""
+    return draft_vocab - torch.arange(len(draft_vocab), device=draft_vocab.device)
+
+
+def t2d_mask(draft_vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[V] bool, the peer format's ``t2d``: True where a target id is in the draft vocabulary."""
+    mask = torch.zeros(vocab_size, dtype=torch.bool, device=draft_vocab.device)
+    mask[draft_vocab] = True
+    return mask
+
+
+class DraftVocabHead:
+    """Mixin for an ``nn.Module`` drafter whose LM head is the target's, optionally restricted.
+
+    The drafter calls ``init_draft_vocab()`` in its constructor and keeps ``self.config``
+    (``vocab_size``, ``draft_vocab_size``) and an ``lm_head`` property (the frozen target head).
+    The ``draft_vocab`` buffer (target ids, ascending) is part of the drafter's state dict and
+    export; ``set_draft_vocab`` installs it.
+    """
+
+    def init_draft_vocab(self) -> None:
+        V_d = self.config.draft_vocab_size
+        self.register_buffer("draft_vocab", None if V_d is None else torch.arange(V_d), persistent=True)
+        self._head_cache: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
+
+    def validate_state(self) -> None:
+        """Raise ValueError if loaded state is inconsistent with the config (a bad draft vocabulary)."""
+        if self.draft_vocab is not None:
+            check_draft_vocab(self.draft_vocab, self.config.draft_vocab_size, self.config.vocab_size)
+
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """Install the draft vocabulary: ``draft_vocab_size`` distinct target token ids."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().sort().values
+        check_draft_vocab(ids, self.config.draft_vocab_size, self.config.vocab_size)
+        self.draft_vocab.copy_(ids)
+
+    def head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The LM head rows the drafter predicts over: all V, or the draft vocabulary's V_d (cached)."""
+        weight, bias = self.lm_head.weight, self.lm_head.bias
+        if self.draft_vocab is None:
+            return weight, bias
+        key = (self.draft_vocab.data_ptr(), self.draft_vocab._version, weight.data_ptr(), weight._version)
+        if self._head_cache is None or self._head_cache[0] != key:
+            rows = weight.detach()[self.draft_vocab]  # frozen, so a copy is exact
+            self._head_cache = (key, rows, None if bias is None else bias.detach()[self.draft_vocab])
+        return self._head_cache[1], self._head_cache[2]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The shared LM head over [..., D] -> [..., V], or [..., V_d] over the draft vocabulary's rows.
+
+        Serving drafts a few rows: there, on CPU, ``x @ Wᵀ`` for the [V, D] head runs through a
+        slow small-M path (35 ms for 7 rows of SmolLM2's 49,152 × 576 head, against 8 ms
+        weight-major), so inference with at most ``SMALL_M`` rows takes ``small_m_linear``;
+        training keeps ``F.linear`` (bit-identical gradients).
+        """
+        weight, bias = self.head()
+        return small_m_linear(hidden.to(weight.dtype), weight, bias)
+
+    def target_to_draft(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return target_to_draft(token_ids, self.draft_vocab, self.config.vocab_size)
+
+    def draft_to_target(self, index: torch.Tensor) -> torch.Tensor:
+        return draft_to_target(index, self.draft_vocab)
+
+    def to_target_distribution(self, q: torch.Tensor) -> torch.Tensor:
+        return to_target_distribution(q, self.draft_vocab, self.config.vocab_size)
+
+
+# -- the manifest's drafter section ------------------------------------------------------------
+
+
+class DrafterSectionBase(BaseModel):
+    """Fields every algorithm's ``drafter`` section has.
+
+    Each algorithm subclasses it with ``algorithm: Literal["<name>"]`` (the union's
+    discriminator), its architecture fields, and ``drafter_config(target, layer_ids)``: the
+    model config for this section, sizes left unset taken from the target (duck-typed:
+    ``hidden_size``, ``vocab_size``, ``model.config``, ``tokenizer``), reading the captured
+    ``layer_ids``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    algorithm: str = Field(description="drafter to train; its features must be captured under its capture contract")
+    init_from: str | None = Field(None, description="an export directory to start from (fine-tuning, e.g. on "
+                                                    "self-distilled data); its architecture must equal this section's")
+    draft_vocab_size: int | None = Field(None, gt=0, description="draft over the V_d most frequent supervised tokens "
+                                                                 "of the training manifest (EAGLE-3's d2t; None = the "
+                                                                 "target's whole vocabulary); with init_from, the "
+                                                                 "export's vocabulary if it has one of this size")
+
+
+def target_sizes(target: Any) -> dict:
+    """The target's shapes a drafter config defaults to: heads, KV heads, head dim, MLP width, norm eps, RoPE theta."""
+    tcfg = target.model.config
+    return {
+        "num_heads": tcfg.num_attention_heads,
+        "num_kv_heads": tcfg.num_key_value_heads,
+        "head_dim": getattr(tcfg, "head_dim", None) or target.hidden_size // tcfg.num_attention_heads,
+        "intermediate_size": tcfg.intermediate_size,
+        "rms_norm_eps": tcfg.rms_norm_eps,
+        "rope_theta": float((getattr(tcfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
+    }
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """One algorithm's drafter, as the registry (``specray.drafters.DRAFTERS``) holds it.
+
+    - ``section``: its variant of the manifest's ``drafter`` union (a ``DrafterSectionBase``
+      subclass with ``algorithm: Literal["<name>"]`` and ``drafter_config(target, layer_ids)``);
+    - ``config``: its model config dataclass (``to_dict()`` / ``from_dict()``, the export's
+      ``architecture``; fields ``hidden_size``, ``vocab_size``, ``target_layer_ids``,
+      ``draft_vocab_size``);
+    - ``model``: its module, ``model(config, embed_tokens=, lm_head=)`` with a class attribute
+      ``algorithm``, the target's embedding and LM head shared (not in its state dict), and
+      ``DraftVocabHead``'s methods;
+    - ``debug_config(target, layer_ids=None)``: a tiny config for tests on ``target``.
+    """
+
+    section: type[DrafterSectionBase]
+    config: type
+    model: type[nn.Module]
+    debug_config: Callable[..., Any]
