@@ -8,10 +8,12 @@ ledger is that log: an append-only sequence of transactions in one directory (``
     <ledger>/txn-0000000000.json   {"seq": 0, "kind": "attempt", "time": ..., ...}
     <ledger>/txn-0000000001.json   {"seq": 1, "kind": "dispatched", ...}
 
-A transaction is written atomically (file: temp file + fsync + hard link + directory fsync, so
-an existing transaction is never replaced; s3: one PUT) by a single writer: rank 0 of the
-trainer gang (or a driver). A file that does not parse, or lacks its kind's fields, is a
-``LedgerError`` naming the file; so is a gap in the sequence.
+A transaction is written atomically and create-only (file: temp file + fsync + hard link +
+directory fsync; s3: one conditional PUT, ``If-None-Match: *``), so an existing transaction is
+never replaced and of two writers racing for one sequence number exactly one wins; the other
+gets a ``LedgerError``. There is a single writer: rank 0 of the trainer gang (or a driver). A
+file that does not parse, or lacks its kind's fields, is a ``LedgerError`` naming the file; so
+is a gap in the sequence.
 
 Kinds, and the order they are written in per window (``dispatched → trained → checkpointed →
 deleted``):
@@ -72,6 +74,16 @@ class LedgerError(ValueError):
 
 def _txn_name(seq: int) -> str:
     return f"txn-{seq:010d}.json"
+
+
+# A create-only PUT refused: the key exists (412), or another conditional write of it is in progress (409).
+_S3_EXISTS_CODES = {"PreconditionFailed", "ConditionalRequestConflict"}
+
+
+def _s3_error_code(error: OSError) -> str | None:
+    """The S3 error code s3fs translated into ``error`` (it keeps the botocore error as the cause)."""
+    response = getattr(error.__cause__, "response", None) or {}
+    return response.get("Error", {}).get("Code")
 
 
 def ref_to_json(ref: SampleRef) -> dict:
@@ -175,9 +187,14 @@ class Ledger:
             "exactly one writer (rank 0 of the gang) may append"
         )
         if self.protocol == "s3":
-            if self.fs.exists(path):
-                raise second_writer
-            self.fs.pipe_file(path, data)  # a single PUT: readers see all of it or nothing
+            # One PUT with If-None-Match: * (readers see all of it or nothing; the store refuses it
+            # when the key exists, so of two racing writers exactly one wins).
+            try:
+                self.fs.pipe_file(path, data, mode="create")
+            except OSError as e:
+                if isinstance(e, FileExistsError) or _s3_error_code(e) in _S3_EXISTS_CODES:
+                    raise second_writer from None
+                raise
             return
         tmp = f"{self.root}/.tmp-{uuid.uuid4().hex}"
         with open(tmp, "wb") as f:

@@ -217,3 +217,45 @@ def test_replay_refuses_an_inconsistent_history_naming_the_transaction(tmp_path,
     history(ledger)
     with pytest.raises(LedgerError, match=error):
         ledger.replay()
+
+
+@pytest.mark.s3
+def test_two_writers_racing_on_s3_exactly_one_wins(seaweedfs):
+    """Both writers see txn 0 missing before either writes: only the conditional create decides."""
+    import threading
+
+    uri = seaweedfs.uri(f"ledger-race-{os.urandom(4).hex()}")
+    writers = [Ledger(uri), Ledger(uri)]
+    for writer in writers:
+        writer.fs.invalidate_cache()
+    barrier = threading.Barrier(2, timeout=10)
+    exists = writers[0].fs.exists
+
+    def exists_after_both_looked(path, **kwargs):  # a check-then-write would interleave like this
+        found = exists(path, **kwargs)
+        barrier.wait()
+        return found
+
+    outcomes: list = []
+
+    def append(writer: Ledger) -> None:
+        writer.fs.exists = exists_after_both_looked
+        try:
+            outcomes.append(writer.deleted([], []))
+        except LedgerError as e:
+            outcomes.append(e)
+        except threading.BrokenBarrierError:
+            outcomes.append("the other writer never looked")
+
+    threads = [threading.Thread(target=append, args=(w,)) for w in writers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    for writer in writers:
+        writer.fs.exists = exists
+    won = [o for o in outcomes if not isinstance(o, (LedgerError, str))]
+    lost = [o for o in outcomes if isinstance(o, LedgerError)]
+    assert len(won) == 1 and len(lost) == 1, outcomes
+    assert "another process writes this ledger" in str(lost[0])
+    assert [t.seq for t in Ledger(uri).read()] == [0]
