@@ -150,6 +150,16 @@ class BlobStore(ABC):
         """Idempotent: deleting a missing key is not an error."""
 
 
+TMP_MARK = ".tmp-"  # "<key>.tmp-<32 hex>": a file:// write not yet renamed over its key
+
+
+def is_temp_of(name: str, key: str) -> bool:
+    """Whether ``name`` is a temp file of a write of ``key`` (both relative to one directory or root)."""
+    suffix = name[len(key) + len(TMP_MARK):]
+    return (name.startswith(key + TMP_MARK) and len(suffix) == 32
+            and all(c in "0123456789abcdef" for c in suffix))
+
+
 def check_key(key: str) -> str:
     if not key or key.startswith("/") or ".." in key.split("/"):
         raise ValueError(f"invalid store key {key!r}: use a relative path without '..'")
@@ -174,15 +184,30 @@ class FeatureStore(BlobStore):
         return f"{self.root}/{check_key(key)}"
 
     def put_bytes(self, key: str, data: bytes) -> None:
+        """Write ``data`` under ``key`` atomically and durably.
+
+        ``file://``: a temp file ``<key>.tmp-<hex>`` next to the blob, fsynced, renamed over the
+        key, then the directory fsynced, so a ledger txn that names the key never outlives the
+        bytes in a power loss. A writer killed before its rename leaves its temp file; ``delete``
+        removes those of its key. ``s3://``: one PUT (atomic).
+        """
         path = self._path(key)
-        if self.protocol == "file":
-            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-            tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        else:
-            self.fs.pipe_file(path, data)  # a single S3 PUT is atomic
+        if self.protocol != "file":
+            self.fs.pipe_file(path, data)
+            return
+        directory = path.rsplit("/", 1)[0]
+        self.fs.makedirs(directory, exist_ok=True)
+        tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def get_bytes(self, key: str) -> bytes:
         try:
@@ -194,13 +219,26 @@ class FeatureStore(BlobStore):
         return self.fs.exists(self._path(key))
 
     def delete(self, key: str) -> None:
-        """Idempotent: deleting a missing key is not an error."""
+        """Idempotent: deleting a missing key is not an error. Temp files of the key go too.
+
+        Those are writes of the key that died before their rename (``put_bytes``); once the key
+        is deleted, whatever wrote it is finished or dead.
+        """
+        path = self._path(key)
         try:
-            self.fs.rm_file(self._path(key))
+            self.fs.rm_file(path)
         except FileNotFoundError:
             pass
         if self.protocol == "s3":
-            self.fs.invalidate_cache(self._path(key))
+            self.fs.invalidate_cache(path)
+            return
+        directory, name = path.rsplit("/", 1)
+        for entry in os.listdir(directory) if os.path.isdir(directory) else ():
+            if is_temp_of(entry, name):
+                try:
+                    os.unlink(f"{directory}/{entry}")
+                except FileNotFoundError:
+                    pass
 
 
 # -- other schemes -------------------------------------------------------------------------

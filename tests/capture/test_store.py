@@ -154,3 +154,50 @@ def test_merge_manifests_of_one_store_and_contract(tmp_path, capsys):
     assert "3 samples, 18 tokens from 2 manifests" in capsys.readouterr().out
     assert main(["merge-manifests", a, b, "--out", str(tmp_path / "cli.parquet")]) == 2  # immutable
     assert "immutable" in capsys.readouterr().err
+
+
+def test_a_write_interrupted_before_its_rename_leaves_nothing_once_the_key_is_deleted(tmp_path, monkeypatch):
+    import os
+
+    import specray.capture.store as store_module
+
+    store = FeatureStore((tmp_path / "store").as_uri())
+
+    def crash(src, dst):  # the process dies between the temp file and the rename
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store_module.os, "replace", crash)
+    with pytest.raises(KeyboardInterrupt):
+        _put(store)
+    monkeypatch.undo()
+    leftovers = sorted(p.name for p in (tmp_path / "store" / "a").iterdir())
+    assert len(leftovers) == 1 and leftovers[0].startswith("s0.safetensors.tmp-")
+    assert not store.exists("a/s0.safetensors")  # readers never see the partial write
+
+    ref = _put(store)  # captured again (the batch was re-sent), trained, then deleted
+    _put(store, "a/s0.safetensors.other")  # another key sharing the prefix is not a temp file of it
+    store.delete(ref.key)
+    assert sorted(os.listdir(tmp_path / "store" / "a")) == ["s0.safetensors.other"]
+
+
+def test_feature_data_is_fsynced_before_the_rename_and_the_directory_after(tmp_path, monkeypatch):
+    import os
+
+    import specray.capture.store as store_module
+
+    store = FeatureStore((tmp_path / "store").as_uri())
+    calls = []
+    fsync, replace = os.fsync, os.replace
+
+    def recorded_fsync(fd):
+        calls.append(("fsync", os.path.isdir(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def recorded_replace(src, dst):
+        calls.append(("replace", dst.endswith("s0.safetensors")))
+        replace(src, dst)
+
+    monkeypatch.setattr(store_module.os, "fsync", recorded_fsync)
+    monkeypatch.setattr(store_module.os, "replace", recorded_replace)
+    _put(store)
+    assert calls == [("fsync", False), ("replace", True), ("fsync", True)]  # data, rename, directory
