@@ -11,6 +11,7 @@
     specray inspect runs/capture-quickstart/manifest.parquet [--verify]
     specray bench capture --json bench/capture.json [-c CONFIG] [--repeats 3] [overrides …]
     specray bench train --json bench/train.json [-c CONFIG] [overrides …]
+    specray bench load --drafter EXPORT_DIR --clients 4 --minutes 2 --json bench/load.json [-c SERVE_CONFIG] [overrides …]
 
 Config mistakes, bad data and bad paths exit with status 2 and a one-paragraph message that
 names the field and the fix; ``inspect --verify`` lists every missing or corrupt blob and
@@ -207,6 +208,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                                    vllm=not args.no_vllm, num_speculative_tokens=args.num_speculative_tokens,
                                    max_speculative_batch=args.max_speculative_batch)
         table = bench.serve_table(result)
+    elif args.benchmark == "load":
+        from specray.pipeline.load_bench import LoadBenchOptions, bench_load, load_table
+
+        given = {k: getattr(args, k) for k in LoadBenchOptions.model_fields if getattr(args, k, None) is not None}
+        result = bench_load(LoadBenchOptions(**given), args.config, args.overrides)
+        table = load_table(result)
     elif args.benchmark == "capture":
         cfg = load_config(CaptureJobConfig, args.config, bench.BENCH_CAPTURE_DEFAULTS + args.overrides)
         result = bench.bench_capture(cfg, repeats=args.repeats)
@@ -344,6 +351,23 @@ def build_parser() -> argparse.ArgumentParser:
     bench_train.add_argument("-c", "--config", help="train YAML to start from (default: the built-in defaults: 1 layer, B=8, micro-batch 2, 16 anchors)")
     bench_train.add_argument("overrides", nargs="*", metavar="section.field=value")
     bench_train.set_defaults(fn=_cmd_bench)
+    bench_load = bench_sub.add_parser("load", help="streaming OpenAI clients on Serve replicas while a new drafter, "
+                                                   "a corrupt one and a replica kill happen (pipeline/load_bench.py)")
+    bench_load.add_argument("--json", help="write the result here")
+    bench_load.add_argument("--drafter", required=True, help="export the replicas serve first")
+    bench_load.add_argument("--next-drafter", default=None, help="export hot-loaded mid-run (default: --drafter again)")
+    bench_load.add_argument("-c", "--config", help="serve YAML to start from (e.g. manifests/serve.yaml)")
+    for field, kind, text in (  # unset: LoadBenchOptions' defaults (pipeline/load_bench.py)
+            ("clients", int, "concurrent streaming clients (4)"), ("minutes", float, "length of the run (2)"),
+            ("max_tokens", int, "tokens per answer at most (64)"), ("replicas", int, "Serve replicas, >= 2 (2)"),
+            ("num_prompts", int, "distinct prompts, each with an AR reference (16)"),
+            ("retries", int, "retries of a failed attempt per request (2)"),
+            ("publish_at", float, "fraction of the run at which the next drafter is published (0.25)"),
+            ("bad_at", float, "... a corrupt export is published (0.5)"),
+            ("kill_at", float, "... one replica is killed (0.75)")):
+        bench_load.add_argument("--" + field.replace("_", "-"), type=kind, default=None, help=text)
+    bench_load.add_argument("overrides", nargs="*", metavar="section.field=value")
+    bench_load.set_defaults(fn=_cmd_bench)
     return parser
 
 

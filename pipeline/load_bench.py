@@ -1,0 +1,528 @@
+"""``specray bench load``: streaming OpenAI clients against Ray Serve replicas while the drafter
+registry and the replicas are faulted.
+
+    specray bench load --drafter runs/quickstart/train/exports/final --clients 4 --minutes 2 \\
+        --json bench/load.json [-c manifests/serve.yaml] [section.field=value …]
+
+Before the run (untimed): the greedy answers of the autoregressive target (our ``Engine`` without
+a drafter, in this process) to the first ``num_prompts`` prompts of the dataset; a drafter
+registry (a temporary directory unless ``registry.uri`` is given) holding ``--drafter`` as a new
+version; ``replicas`` Ray Serve replicas (actors/serve.py, autoscaling pinned to that count)
+awaited until each serves that version.
+
+The run: ``clients`` threads, each an ``openai`` client streaming greedy chat completions of the
+prompts in turn over loopback, for ``minutes``. At fractions of the run:
+
+- ``publish_at``: ``--next-drafter`` (else ``--drafter`` again) is published as the next version;
+- ``bad_at``: a copy of that export whose weights are corrupted (its sha256 no longer matches
+  ``export.json``) is published: every replica must refuse it and keep the version it serves;
+- ``kill_at``: one replica actor is killed (``ray.kill``); Serve starts a replacement.
+
+A failed attempt (an HTTP error status, an error event in the stream, a dropped connection, a
+stream that ends without a finish reason) is retried up to ``retries`` times; retries are
+counted apart. A failure is *from the kill* when the attempt was running at the kill or started
+within ``kill_window_s`` after it. Each is either *answered* (the server sent an error: a status
+or an error event in the stream), *raised* by the client without an answer (a dropped connection,
+a timeout), or a stream that ends without a finish reason, which the client does not raise.
+Twice a second the driver reads ``/metrics`` through the proxy (which replica answered, its
+active and rejected versions).
+
+Reported: requests served and failed (by reason), TTFT and per-token latency (p50, p99), every
+greedy answer compared with the AR reference (text and token count), the drafter versions that
+served (the response's ``system_fingerprint``), each replica's versions and rejections, and when
+the replacement replica first answered. Needs the ``openai`` package (the ``dev`` extra).
+"""
+
+from __future__ import annotations
+
+import gc
+import secrets
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import httpx2
+import numpy as np
+import openai
+import ray
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from specray.pipeline.bench import _environment
+from specray.pipeline.config import ServeJobConfig, load_config
+
+SAMPLE_INTERVAL_S = 0.5  # the driver reads /metrics this often during the run
+TRUNCATED = "stream ended without a finish reason"  # a failure the openai client does not raise
+BAD_EXPORT_FAULT = "corrupt weights (model.safetensors bytes flipped; sha256 differs from export.json)"
+
+
+class LoadBenchOptions(BaseModel):
+    """What ``specray bench load`` runs: the drafters, the load, and when the faults happen."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    drafter: str = Field(..., description="export directory the replicas serve first")
+    next_drafter: str | None = Field(None, description="export published as the next version (None = drafter again)")
+    dataset: Literal["mtbench", "humaneval"] = Field("mtbench", description="eval prompts, sent in turn")
+    num_prompts: int = Field(16, gt=0, description="distinct prompts (AR references are computed for each)")
+    clients: int = Field(4, gt=0, description="concurrent streaming clients")
+    minutes: float = Field(2.0, gt=0, description="length of the run; requests running at the end finish")
+    max_tokens: int = Field(64, gt=0, description="tokens per answer at most")
+    replicas: int = Field(2, ge=2, description="Serve replicas (one is killed, so at least 2)")
+    publish_at: float = Field(0.25, gt=0, lt=1, description="fraction of the run at which the next version is published")
+    bad_at: float = Field(0.5, gt=0, lt=1, description="fraction of the run at which a corrupt export is published")
+    kill_at: float = Field(0.75, gt=0, lt=1, description="fraction of the run at which one replica is killed")
+    kill_window_s: float = Field(5.0, ge=0, description="attempts started this long after the kill may fail from it")
+    retries: int = Field(2, ge=0, description="times a client retries a failed attempt")
+    retry_backoff_s: float = Field(1.0, ge=0, description="wait before a retry")
+    request_timeout_s: float = Field(120.0, gt=0, description="an attempt taking longer fails (timeout)")
+    startup_timeout_s: float = Field(600.0, gt=0, description="replicas must serve the first version within this")
+    max_requests_per_client: int = Field(100_000, gt=0, description="bound on each client's loop")
+
+    @field_validator("drafter", "next_drafter")
+    @classmethod
+    def _is_export(cls, value: str | None) -> str | None:
+        if value is not None and not (Path(value) / "config.json").is_file():
+            raise ValueError(f"{value} is not a drafter export (no config.json); pass a directory `specray export` wrote")
+        return value
+
+    @model_validator(mode="after")
+    def _faults_in_order(self) -> LoadBenchOptions:
+        if not self.publish_at < self.bad_at:
+            raise ValueError(f"publish_at ({self.publish_at}) must come before bad_at ({self.bad_at}): the corrupt "
+                             "export is a copy of the published one")
+        return self
+
+
+def bench_load(options: LoadBenchOptions, config: str | None = None, overrides: list[str] | None = None) -> dict:
+    """Run the load-and-fault benchmark (module docstring) on the Serve config ``config`` + ``overrides``."""
+    from ray import serve
+
+    from specray.actors.cluster import connect
+    from specray.actors.serve import start_serving
+    from specray.serving.registry import DrafterRegistry
+
+    with tempfile.TemporaryDirectory(prefix="specray-bench-load-") as tmp:
+        cfg = load_config(ServeJobConfig, config, _serve_overrides(options, Path(tmp)) + list(overrides or []))
+        if cfg.registry.uri is None:
+            raise ValueError("registry.uri=null: the load bench publishes versions to a registry; drop the override "
+                             "(a temporary one is used) or give a path or s3:// URI")
+        prompts = _prompts(options)
+        references = _references(cfg, prompts, options.max_tokens)
+        registry = DrafterRegistry(cfg.registry.uri, endpoint_url=cfg.registry.endpoint_url)
+        first = registry.publish(options.drafter)
+        ray_was_up = ray.is_initialized()
+        connect(cfg.ray.address, cfg.ray.num_cpus)
+        serve_was_up = any(a["name"] == "SERVE_CONTROLLER_ACTOR" for a in ray.util.list_named_actors(all_namespaces=True))
+        handle = start_serving(cfg, timeout_s=options.startup_timeout_s)
+        try:
+            monitor = _Monitor(handle.url, handle.api_key)
+            monitor.wait(lambda: monitor.serving(first) >= options.replicas, options.startup_timeout_s,
+                         f"{options.replicas} replicas serving version {first}")
+            run = _Run(options, handle, prompts, registry, Path(tmp), monitor)
+            run.execute()
+            monitor.settle(options.replicas, excluded=run.killed_replica)
+        finally:
+            handle.stop()
+            if not serve_was_up:
+                serve.shutdown()
+            if not ray_was_up:
+                ray.shutdown()
+    return _report(options, cfg, references, first, run, monitor)
+
+
+def _serve_overrides(options: LoadBenchOptions, tmp: Path) -> list[str]:
+    """The bench's Serve settings (a user override after them wins): a fresh registry polled every
+    second, exactly ``replicas`` replicas, a free loopback port and a random API key."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return ["name=bench-load", f"registry.uri={tmp / 'registry'}", "registry.poll_interval_s=1",
+            f"autoscaling.min_replicas={options.replicas}", f"autoscaling.max_replicas={options.replicas}",
+            "http.host=127.0.0.1", f"http.port={port}", f"http.api_key=sk-bench-{secrets.token_hex(8)}",
+            f"output.run_dir={tmp / 'serve'}"]
+
+
+def _prompts(options: LoadBenchOptions) -> list[list[dict]]:
+    from specray.capture.data import load_conversations
+
+    return [c.as_chat() for c in load_conversations(options.dataset, purpose="eval", limit=options.num_prompts)]
+
+
+@dataclass(frozen=True)
+class _Reference:
+    text: str
+    tokens: int
+
+
+def _references(cfg: ServeJobConfig, prompts: list[list[dict]], max_tokens: int) -> list[_Reference]:
+    """Greedy answers of the target alone (our engine without a drafter), computed here once."""
+    from specray.capture.target import load_target
+    from specray.serving.engine import Engine
+    from specray.serving.sampling import SamplingParams
+
+    target = load_target(cfg.target.name, dtype=cfg.target.dtype, device=cfg.target.device)
+    engine = Engine(target, None, max_batch=cfg.engine.max_batch, max_len=cfg.engine.max_len)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    del engine, target
+    gc.collect()
+    return [_Reference(o.text, len(o.token_ids)) for o in outputs]
+
+
+def _corrupt_copy(export: Path, out: Path) -> Path:
+    """``export`` with bytes of its weights flipped (same size): a load fails its sha256 check."""
+    shutil.copytree(export, out)
+    weights = out / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    for i in range(len(data) - 64, len(data)):  # tensor data, after the safetensors header
+        data[i] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    return out
+
+
+# -- observing the replicas --------------------------------------------------------------
+
+
+class _Monitor:
+    """Reads ``/metrics`` through the proxy; each answer says which replica gave it and that
+    replica's active and rejected drafter versions. Times are ``time.monotonic()``."""
+
+    def __init__(self, url: str, api_key: str | None):
+        self.url = url
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.replicas: dict[str, dict] = {}  # replica id -> first/last seen, active, first time each version was active, rejected
+        self.errors: Counter = Counter()
+
+    def sample(self) -> None:
+        try:
+            response = httpx2.get(f"{self.url}/metrics", headers=self.headers, timeout=10, trust_env=False)
+            response.raise_for_status()
+            metrics = response.json()
+        except (httpx2.HTTPError, ValueError) as e:  # a replica going away: counted, sampled again next time
+            self.errors[type(e).__name__] += 1
+            return
+        now = time.monotonic()
+        r = self.replicas.setdefault(metrics["replica"], {"first_seen": now, "active_since": {}, "rejected": {}})
+        r["last_seen"], r["active"] = now, metrics["active_version"]
+        r["active_since"].setdefault(metrics["active_version"], now)
+        for rejected in metrics["rejected_versions"]:
+            r["rejected"].setdefault(rejected["version"], rejected["error"])
+
+    def serving(self, version: int, excluded: str | None = None) -> int:
+        """Replicas last seen with ``version`` active."""
+        return sum(r["active"] == version for rid, r in self.replicas.items() if rid != excluded)
+
+    def wait(self, predicate, timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited {timeout_s:.0f} s for {what}; replicas seen: "
+                                   f"{ {rid: r['active'] for rid, r in self.replicas.items()} }, /metrics errors {dict(self.errors)}")
+            self.sample()
+            time.sleep(0.2)
+
+    def settle(self, replicas: int, excluded: str | None, timeout_s: float = 120.0) -> None:
+        """After the run: sample until ``replicas`` live replicas (the killed one aside) have answered
+        since the kill, so the report shows the replacement's state too (best effort, bounded)."""
+        since = time.monotonic()
+        for _ in range(int(timeout_s / 0.2)):
+            self.sample()
+            fresh = [rid for rid, r in self.replicas.items() if rid != excluded and r["last_seen"] >= since]
+            if len(fresh) >= replicas:
+                return
+            time.sleep(0.2)
+
+
+# -- the clients -------------------------------------------------------------------------
+
+
+@dataclass
+class _Attempt:
+    """One HTTP request of one client; times in seconds from the start of the run."""
+
+    client: int
+    request: int  # the client's n-th request (its retries share it)
+    retry: int  # 0 = first attempt
+    prompt: int
+    start_s: float
+    end_s: float = 0.0
+    ttft_s: float | None = None
+    tpot_s: float | None = None  # (last token time - first token time) / (tokens - 1)
+    tokens: int = 0
+    text: str = ""
+    finish_reason: str | None = None
+    fingerprint: str | None = None  # specray-drafter-vN, or specray-ar
+    error: str | None = None  # the reason, grouped in the report
+    detail: str | None = None  # the error's message
+    server_error: bool = False  # the server answered with an error (a status or an error event in the stream)
+
+    @property
+    def retryable(self) -> bool:
+        return self.error is not None and (not self.error.startswith("HTTP 4") or self.error == "HTTP 429")
+
+
+def _stream(client: openai.OpenAI, model: str, messages: list[dict], max_tokens: int, attempt: _Attempt,
+            t0: float) -> None:
+    """One streaming greedy chat completion, recorded into ``attempt``."""
+    start, first, last, parts = time.monotonic(), None, None, []
+    try:
+        stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
+                                                stream=True, stream_options={"include_usage": True})
+        for chunk in stream:
+            attempt.fingerprint = chunk.system_fingerprint or attempt.fingerprint
+            if chunk.usage is not None:
+                attempt.tokens = chunk.usage.completion_tokens
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    last = time.monotonic()
+                    first = first or last
+                    parts.append(choice.delta.content)
+                attempt.finish_reason = choice.finish_reason or attempt.finish_reason
+    except openai.APIStatusError as e:
+        attempt.error, attempt.detail, attempt.server_error = f"HTTP {e.status_code}", str(e.message)[:300], True
+    except openai.APITimeoutError as e:
+        attempt.error, attempt.detail = "timeout", str(e)[:300]
+    except openai.APIConnectionError as e:
+        attempt.error, attempt.detail = f"connection failed: {type(e.__cause__).__name__}", str(e.__cause__)[:300]
+    except openai.APIError as e:  # an error event inside a 200 stream
+        attempt.error, attempt.detail, attempt.server_error = "error event in the stream", str(e.body or e.message)[:300], True
+    except httpx2.TransportError as e:  # the connection dropped while the stream was read (openai's HTTP client)
+        attempt.error, attempt.detail = f"stream dropped: {type(e).__name__}", str(e)[:300]
+    attempt.end_s = time.monotonic() - t0
+    if attempt.error is None and attempt.finish_reason is None:
+        attempt.error = TRUNCATED
+    attempt.text = "".join(parts)
+    if first is not None:
+        attempt.ttft_s = first - start
+        attempt.tpot_s = (last - first) / (attempt.tokens - 1) if attempt.tokens > 1 else None
+
+
+def _client_loop(i: int, options: LoadBenchOptions, handle, prompts: list[list[dict]], t0: float, deadline: float,
+                 stop: threading.Event, attempts: list[_Attempt]) -> None:
+    """Client ``i``: prompts i, i + clients, … in turn until the deadline; failed attempts retried."""
+    client = openai.OpenAI(base_url=handle.base_url, api_key=handle.api_key or "unused",
+                           timeout=options.request_timeout_s, max_retries=0)
+    for n in range(options.max_requests_per_client):
+        if time.monotonic() >= deadline or stop.is_set():
+            return
+        p = (i + n * options.clients) % len(prompts)
+        for retry in range(options.retries + 1):
+            attempt = _Attempt(client=i, request=n, retry=retry, prompt=p, start_s=time.monotonic() - t0)
+            _stream(client, handle.model, prompts[p], options.max_tokens, attempt, t0)
+            attempts.append(attempt)
+            if not attempt.retryable or stop.wait(options.retry_backoff_s):
+                break
+
+
+# -- the run -----------------------------------------------------------------------------
+
+
+class _Run:
+    """The clients plus the faults, each fired at its time by the driver thread."""
+
+    def __init__(self, options: LoadBenchOptions, handle, prompts: list[list[dict]], registry, tmp: Path,
+                 monitor: _Monitor):
+        self.options, self.handle, self.prompts, self.registry = options, handle, prompts, registry
+        self.tmp, self.monitor = tmp, monitor
+        self.attempts: list[_Attempt] = []
+        self.events: list[dict] = []  # faults as they happened: at_s, what, version / replica
+        self.killed_replica: str | None = None
+        self.t0 = self.seconds = 0.0
+        self.unfinished_clients = 0
+
+    def execute(self) -> None:
+        o = self.options
+        self.seconds = 60.0 * o.minutes
+        faults = sorted([(o.publish_at, self._publish_next), (o.bad_at, self._publish_bad), (o.kill_at, self._kill)],
+                        key=lambda f: f[0])
+        stop = threading.Event()
+        self.t0 = time.monotonic()
+        deadline = self.t0 + self.seconds
+        pool = ThreadPoolExecutor(max_workers=o.clients, thread_name_prefix="bench-load-client")
+        clients = [pool.submit(_client_loop, i, o, self.handle, self.prompts, self.t0, deadline, stop, self.attempts)
+                   for i in range(o.clients)]
+        try:
+            while time.monotonic() < deadline:
+                while faults and time.monotonic() - self.t0 >= faults[0][0] * self.seconds:
+                    faults.pop(0)[1]()
+                self.monitor.sample()
+                time.sleep(max(0.0, min(SAMPLE_INTERVAL_S, deadline - time.monotonic())))
+            done, pending = wait(clients, timeout=(o.request_timeout_s + o.retry_backoff_s) * (o.retries + 1))
+        finally:
+            stop.set()  # also when a fault failed: clients stop starting requests
+            pool.shutdown(wait=False, cancel_futures=True)
+        self.unfinished_clients = len(pending)
+        for client in done:
+            client.result()  # a client that raised is a bug in the bench: raise it here
+
+    def _event(self, what: str, **details) -> None:
+        self.events.append({"at_s": time.monotonic() - self.t0, "what": what, **details})
+
+    def _publish_next(self) -> None:
+        export = self.options.next_drafter or self.options.drafter
+        self._event("publish", version=self.registry.publish(export), export=str(export))
+
+    def _publish_bad(self) -> None:
+        export = Path(self.options.next_drafter or self.options.drafter)
+        bad = _corrupt_copy(export, self.tmp / "corrupt-export")
+        self._event("publish-bad", version=self.registry.publish(bad), fault=BAD_EXPORT_FAULT)
+
+    def _kill(self) -> None:
+        """Kill the replica actor that answered /metrics most recently (it is taking requests)."""
+        names = {a["name"].rsplit("#", 1)[-1]: (a["name"], a["namespace"])
+                 for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["name"].startswith("SERVE_REPLICA::") and f"::{self.handle.app_name}#" in a["name"]}
+        seen = sorted((r["last_seen"], rid) for rid, r in self.monitor.replicas.items() if rid in names)
+        if not seen:
+            raise RuntimeError(f"no replica actor of app {self.handle.app_name!r} has answered /metrics; "
+                               f"replica actors: {sorted(names)}")
+        self.killed_replica = seen[-1][1]
+        name, namespace = names[self.killed_replica]
+        ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+        self._event("kill", replica=self.killed_replica)
+
+
+# -- the report --------------------------------------------------------------------------
+
+
+def _percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"p50": None, "p99": None, "n": 0}
+    p50, p99 = np.percentile(values, [50, 99])
+    return {"p50": float(p50), "p99": float(p99), "n": len(values)}
+
+
+def _failures(run: _Run) -> dict:
+    kill = next((e["at_s"] for e in run.events if e["what"] == "kill"), None)
+    window = run.options.kill_window_s
+
+    def from_kill(a: _Attempt) -> bool:
+        return kill is not None and a.end_s >= kill and a.start_s <= kill + window
+
+    failed = [a for a in run.attempts if a.error]
+    groups: dict[str, dict] = {}
+    for a in failed:
+        g = groups.setdefault(a.error, {"count": 0, "from_kill": 0, "server_error": a.server_error,
+                                          "example": a.detail})
+        g["count"] += 1
+        g["from_kill"] += from_kill(a)
+    last = {}
+    for a in run.attempts:  # a request's outcome is its last attempt's
+        last[(a.client, a.request)] = a
+    return {
+        "attempts_failed": len(failed),
+        "attempts_failed_from_kill": sum(map(from_kill, failed)),
+        "attempts_failed_not_from_kill": sum(not from_kill(a) for a in failed),
+        "attempts_failed_without_server_error": sum(not a.server_error for a in failed),
+        "requests_failed_after_retries": sum(a.error is not None for a in last.values()),
+        "in_flight_at_kill": sum(a.start_s <= kill <= a.end_s for a in run.attempts) if kill is not None else 0,
+        "by_reason": groups,
+    }, last
+
+
+def _greedy(served: list[_Attempt], references: list[_Reference]) -> dict:
+    mismatches = [a for a in served
+                  if (a.text, a.tokens) != (references[a.prompt].text, references[a.prompt].tokens)]
+    return {"compared": len(served), "mismatches": len(mismatches),
+            "mismatches_by_version": dict(Counter(a.fingerprint for a in mismatches)),
+            "examples": [{"prompt": a.prompt, "version": a.fingerprint, "got": a.text[:200],
+                          "tokens": a.tokens, "expected": references[a.prompt].text[:200],
+                          "expected_tokens": references[a.prompt].tokens} for a in mismatches[:3]]}
+
+
+def _replicas(run: _Run, monitor: _Monitor) -> dict:
+    kill = next((e["at_s"] for e in run.events if e["what"] == "kill"), None)
+    out = {}
+    for rid, r in monitor.replicas.items():
+        first = r["first_seen"] - run.t0
+        out[rid] = {"first_seen_s": first, "last_seen_s": r["last_seen"] - run.t0, "active_version": r["active"],
+                    "active_since_s": {str(v): t - run.t0 for v, t in r["active_since"].items()},
+                    "rejected": {str(v): e for v, e in r["rejected"].items()},
+                    "killed": rid == run.killed_replica,
+                    "replacement": kill is not None and first > kill}
+    return out
+
+
+def _checks(run: _Run, failures: dict, greedy: dict, versions: Counter, replicas: dict) -> dict:
+    published = {e["what"]: e["version"] for e in run.events if "version" in e}
+    bad = published.get("publish-bad")
+    live = [r for r in replicas.values() if not r["killed"]]
+    return {
+        "greedy_all_match_ar": greedy["compared"] > 0 and greedy["mismatches"] == 0,
+        "failures_only_from_kill": failures["attempts_failed_not_from_kill"] == 0,
+        "failures_raised_by_the_client": TRUNCATED not in failures["by_reason"],
+        "failures_answered_with_an_error": all(g["server_error"] for g in failures["by_reason"].values()),
+        "no_request_failed_after_retries": failures["requests_failed_after_retries"] == 0,
+        "bad_version_rejected_by_every_live_replica": bad is not None and bool(live) and all(
+            str(bad) in r["rejected"] and str(bad) not in r["active_since_s"] for r in live),
+        "bad_version_never_served": f"specray-drafter-v{bad}" not in versions,
+        "new_version_served": f"specray-drafter-v{published.get('publish')}" in versions,
+        "clients_finished": run.unfinished_clients == 0,
+    }
+
+
+def _report(options: LoadBenchOptions, cfg: ServeJobConfig, references: list[_Reference], first: int, run: _Run,
+            monitor: _Monitor) -> dict:
+    failures, last = _failures(run)
+    served = [a for a in last.values() if a.error is None]
+    versions = Counter(a.fingerprint for a in served)
+    greedy = _greedy(served, references)
+    replicas = _replicas(run, monitor)
+    tokens = sum(a.tokens for a in served)
+    return {
+        "benchmark": "load", "target": cfg.target.name, "options": options.model_dump(),
+        "serve": {"engine": cfg.engine.model_dump(), "replica": cfg.replica.model_dump(),
+                  "registry_poll_interval_s": cfg.registry.poll_interval_s},
+        "seconds": run.seconds, "first_version": first, "events": run.events,
+        "requests": {"served": len(served), "failed": failures["requests_failed_after_retries"],
+                     "attempts": len(run.attempts), "retries": sum(a.retry > 0 for a in run.attempts),
+                     "retries_succeeded": sum(a.retry > 0 and a.error is None for a in run.attempts)},
+        "failures": failures,
+        "tokens": tokens, "tokens_per_s": tokens / run.seconds,
+        "ttft_s": _percentiles([a.ttft_s for a in served if a.ttft_s is not None]),
+        "tpot_s": _percentiles([a.tpot_s for a in served if a.tpot_s is not None]),
+        "greedy": greedy,
+        "versions_seen": dict(sorted(versions.items(), key=lambda kv: str(kv[0]))),
+        "replicas": replicas, "metrics_read_errors": dict(monitor.errors),
+        "checks": _checks(run, failures, greedy, versions, replicas),
+        "attempts": [asdict(a) | {"text": None} for a in run.attempts if a.error or a.retry],
+        "environment": _environment(),
+    }
+
+
+def _ms(stats: dict) -> str:
+    return "-" if stats["p50"] is None else f"p50 {1000 * stats['p50']:.0f} ms, p99 {1000 * stats['p99']:.0f} ms"
+
+
+def load_table(result: dict) -> str:
+    req, fail, g = result["requests"], result["failures"], result["greedy"]
+    lines = [
+        f"requests   {req['served']} served, {req['failed']} failed after retries; {req['attempts']} attempts, "
+        f"{req['retries']} retries ({req['retries_succeeded']} succeeded)",
+        f"failures   {fail['attempts_failed']} attempts ({fail['attempts_failed_from_kill']} from the kill, "
+        f"{fail['attempts_failed_without_server_error']} without a server error); {fail['in_flight_at_kill']} in flight at the kill",
+    ]
+    lines += [f"  {n['count']:>4} x {reason} ({n['from_kill']} from the kill): {n['example']}"
+              for reason, n in fail["by_reason"].items()]
+    lines += [
+        f"TTFT       {_ms(result['ttft_s'])};  per token {_ms(result['tpot_s'])};  "
+        f"{result['tokens_per_s']:.1f} tokens/s over {result['seconds']:.0f} s",
+        f"greedy     {g['compared'] - g['mismatches']} of {g['compared']} answers equal the AR reference",
+        "versions   " + ", ".join(f"{v}: {n}" for v, n in result["versions_seen"].items()),
+        "events     " + "; ".join(f"{e['at_s']:.1f} s {e['what']} " + str(e.get("version", e.get("replica")))
+                                  for e in result["events"]),
+        f"{'replica':<10} {'seen from':>9} {'to (s)':>7}  {'active since (s)':<24} rejected",
+    ]
+    for rid, r in result["replicas"].items():
+        note = "  (killed)" if r["killed"] else "  (replacement)" if r["replacement"] else ""
+        since = ", ".join(f"{'AR' if v == 'None' else 'v' + v} {t:.1f}" for v, t in r["active_since_s"].items())
+        rejected = ",".join(f"v{v}" for v in r["rejected"]) or "-"
+        lines.append(f"{rid[:10]:<10} {r['first_seen_s']:>9.1f} {r['last_seen_s']:>7.1f}  {since:<24} {rejected}{note}")
+    lines.append("checks     " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in result["checks"].items()))
+    return "\n".join(lines)
