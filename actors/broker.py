@@ -55,7 +55,7 @@ from typing import Iterable
 import ray
 
 from specray.capture.contract import CaptureContract
-from specray.capture.store import SampleRef
+from specray.capture.store import SampleRef, check_ref
 
 
 def window_id(attempt: int, step: int) -> str:
@@ -115,6 +115,7 @@ class WindowQueue:
         self.reserved_samples = 0
         self.reserved_bytes = 0
         self.inflight: dict[str, SampleRef] = {}  # stored, not yet released (pending or dispatched)
+        self.seen: set[str] = set()  # every sample id of the stream: offered, held, re-dispatched, or trained
         self.inflight_bytes = 0
         self.pending: deque[SampleRef] = deque()  # offered, not yet in a window
         self.windows: dict[int, Window | None] = {}  # step -> window (None = end of stream), this attempt
@@ -183,21 +184,34 @@ class WindowQueue:
         if len(refs) > self.reserved_samples or reserved_bytes > self.reserved_bytes:
             raise ValueError(f"offer of {len(refs)} refs / {reserved_bytes} bytes without a matching reservation "
                              f"({self.reserved_samples} / {self.reserved_bytes} reserved); call reserve() before writing")
-        for ref in refs:
-            if self.contract_id is not None and ref.contract != self.contract_id:
-                raise ValueError(f"sample {ref.sample_id!r} was captured under contract {ref.contract}, this stream "
-                                 f"carries {self.contract_id}; capture with the stream's contract")
-            if ref.sample_id in self.inflight:
-                raise ValueError(f"sample id {ref.sample_id!r} is already in flight; sample ids must be unique "
-                                 "within a stream (prefix a new producer pass, e.g. 'epoch1/<id>')")
+        self._check_new(refs)
         self.reserved_samples -= len(refs)
         self.reserved_bytes -= reserved_bytes
         for ref in refs:
             self.inflight[ref.sample_id] = ref
             self.inflight_bytes += ref.num_bytes
             self.pending.append(ref)
+            self.seen.add(ref.sample_id)
         self.offered_total += len(refs)
         self._track_peak()
+
+    def _check_new(self, refs: list[SampleRef]) -> None:
+        """Refuse refs the ledger could not record, of another contract, or of a sample the stream carried."""
+        offered: set[str] = set()
+        for ref in refs:
+            check_ref(ref)
+            if self.contract_id is not None and ref.contract != self.contract_id:
+                raise ValueError(f"sample {ref.sample_id!r} was captured under contract {ref.contract}, this stream "
+                                 f"carries {self.contract_id}; capture with the stream's contract")
+            if ref.sample_id in offered:
+                raise ValueError(f"sample id {ref.sample_id!r} appears twice in one offer; sample ids must be unique "
+                                 "within a stream")
+            if ref.sample_id in self.seen:
+                state = ("is already in flight" if ref.sample_id in self.inflight else
+                         "was offered already in this stream and acknowledged; offering it again would train it twice")
+                raise ValueError(f"sample id {ref.sample_id!r} {state}. Sample ids must be unique within a stream "
+                                 "(prefix a new producer pass, e.g. 'epoch1/<id>')")
+            offered.add(ref.sample_id)
 
     def close(self) -> None:
         self.closed = True
@@ -210,6 +224,7 @@ class WindowQueue:
         """
         held = 0
         for ref in refs:
+            self.seen.add(ref.sample_id)
             if ref.sample_id not in self.inflight:
                 self.inflight[ref.sample_id] = ref
                 self.inflight_bytes += ref.num_bytes
@@ -279,12 +294,14 @@ class WindowQueue:
         _check_bound(quantum, self.max_inflight, self.max_inflight_bytes)
         history = set(history)
         self.release(history)
+        self.seen |= history
         requeue: dict[str, SampleRef] = {}
         outstanding = [r for w in self.windows.values() if w is not None for r in w.refs]
         for ref in [*redispatch, *outstanding]:
             if ref.sample_id in history or ref.sample_id in requeue:
                 continue
             requeue[ref.sample_id] = ref
+            self.seen.add(ref.sample_id)
             if ref.sample_id not in self.inflight:  # known from the ledger only (e.g. a new broker)
                 self.inflight[ref.sample_id] = ref
                 self.inflight_bytes += ref.num_bytes

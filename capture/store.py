@@ -77,6 +77,33 @@ class SampleRef:
         raise KeyError(f"{self.key} has no tensor {name!r}; it has {[m.name for m in self.tensors]}")
 
 
+def check_ref(ref: SampleRef) -> SampleRef:
+    """Raise ``TypeError`` unless ``ref`` holds plain JSON values of its fields' types (what the ledger writes)."""
+    if not isinstance(ref, SampleRef):
+        raise TypeError(f"expected a SampleRef, got a {type(ref).__name__}")
+    sid = ref.sample_id if type(ref.sample_id) is str else repr(ref.sample_id)
+
+    def need(value, kind: type, name: str) -> None:
+        if type(value) is not kind:
+            raise TypeError(f"sample {sid!r}: SampleRef.{name} must be {kind.__name__}, got {type(value).__name__}; "
+                            "SampleRefs travel as JSON (broker, ledger): convert it (e.g. int(tensor))")
+
+    for name in ("sample_id", "key", "checksum", "contract"):
+        need(getattr(ref, name), str, name)
+    for name in ("num_tokens", "num_bytes"):
+        need(getattr(ref, name), int, name)
+    need(ref.tensors, tuple, "tensors")
+    for i, meta in enumerate(ref.tensors):
+        if not isinstance(meta, TensorMeta):
+            raise TypeError(f"sample {sid!r}: SampleRef.tensors[{i}] must be TensorMeta, got {type(meta).__name__}")
+        need(meta.name, str, f"tensors[{i}].name")
+        need(meta.dtype, str, f"tensors[{i}].dtype")
+        need(meta.shape, tuple, f"tensors[{i}].shape")
+        for j, size in enumerate(meta.shape):
+            need(size, int, f"tensors[{i}].shape[{j}]")
+    return ref
+
+
 def _checksum(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 

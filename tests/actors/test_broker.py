@@ -224,3 +224,47 @@ def test_hold_counts_a_resumed_streams_leftovers_until_rewind_sorts_them():
     assert queue.stats()["inflight"] == 2 and queue.peak_samples == 3
     ready, window = queue.try_window(1, 5)
     assert ready and _ids(window) == ["b", "c"]
+
+
+def test_a_sample_offered_again_after_it_was_acknowledged_is_refused():
+    queue = WindowQueue(2, max_inflight=8)
+    queue.rewind(0, quantum=2, world_size=1, step=0)
+    _offer(queue, "a", "b")
+    window = queue.try_window(0, 1)[1]
+    queue.release(_ids(window))  # trained, checkpointed, deleted: no longer in flight
+    assert queue.try_reserve(2, 200)
+    with pytest.raises(ValueError, match="sample id 'a' was offered already in this stream"):
+        queue.offer([_ref("c"), _ref("a")], reserved_bytes=200)
+    with pytest.raises(ValueError, match="sample id 'c' appears twice in one offer"):
+        queue.offer([_ref("c"), _ref("c")], reserved_bytes=200)
+    assert queue.stats()["pending"] == 0 and queue.stats()["reserved"] == 2  # nothing half-offered
+
+    resumed = WindowQueue(2, max_inflight=8)  # a resumed stream knows its history from the ledger
+    resumed.rewind(1, quantum=2, world_size=1, step=3, redispatch=[_ref("y")], history=["x"])
+    assert resumed.try_reserve(1, 100)
+    with pytest.raises(ValueError, match="sample id 'x' was offered already in this stream and acknowledged"):
+        resumed.offer([_ref("x")], reserved_bytes=100)  # trained under the resumed checkpoint
+    with pytest.raises(ValueError, match="sample id 'y' is already in flight"):
+        resumed.offer([_ref("y")], reserved_bytes=100)  # re-dispatched from the ledger
+
+
+@pytest.mark.parametrize("field, value, error", [
+    ("num_tokens", "tensor", r"sample 'a': SampleRef.num_tokens must be int, got Tensor"),
+    ("checksum", None, r"sample 'a': SampleRef.checksum must be str, got NoneType"),
+    ("tensors", "bad-shape", r"sample 'a': SampleRef.tensors\[0\].shape\[0\] must be int, got Tensor"),
+], ids=["tensor-count", "no-checksum", "tensor-in-shape"])
+def test_a_ref_whose_metadata_is_not_plain_json_is_refused(field, value, error):
+    import dataclasses
+
+    import torch
+
+    if value == "tensor":
+        value = torch.tensor(4)
+    elif value == "bad-shape":
+        value = (TensorMeta("input_ids", (torch.tensor(4),), "int64"),)
+    queue = WindowQueue(2, max_inflight=8)
+    queue.rewind(0, quantum=2, world_size=1, step=0)
+    assert queue.try_reserve(2, 200)
+    with pytest.raises(TypeError, match=error):
+        queue.offer([_ref("b"), dataclasses.replace(_ref("a"), **{field: value})], reserved_bytes=200)
+    assert queue.stats()["pending"] == 0 and queue.stats()["reserved"] == 2
