@@ -10,8 +10,9 @@ or ``specray serve -c manifests/serve.yaml [section.field=value …]`` (until Ct
 Each replica (``SpecrayReplica``) loads the target, owns an ``Engine`` stepped by an
 ``EngineLoop`` thread and, with a registry, a ``RegistryPoller`` thread that pulls each newer
 drafter version and hot-loads it between engine steps (serving/engine.py, serving/registry.py).
-Its HTTP app is serving/openai_api.py's, built in the replica (a FastAPI ingress), so Ray adds
-only what Ray is for: the proxy on ``http.host:http.port`` (127.0.0.1 by default; any other
+Its HTTP app is serving/openai_api.py's, built in the replica (a FastAPI ingress) behind its
+request guard (API key or loopback clients only, body and prompt limits: ``HttpLimits``), so Ray
+adds only what Ray is for: the proxy on ``http.host:http.port`` (127.0.0.1 by default; any other
 host is refused without an API key), Serve's autoscaler between ``min_replicas`` and
 ``max_replicas`` aiming at ``target_ongoing_requests`` per replica, and replacement of a
 replica that died or whose engine loop thread stopped (``check_health``). Local paths in the
@@ -21,12 +22,11 @@ registry, since replicas may run where the driver's files are not.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,6 +36,7 @@ from ray import serve
 from specray.actors.cluster import connect
 from specray.capture.target import load_target
 from specray.serving.engine import Engine, EngineLoop
+from specray.serving.http_guard import HttpLimits, is_loopback
 from specray.serving.openai_api import create_app
 from specray.serving.registry import DrafterRegistry, RegistryPoller
 
@@ -62,6 +63,7 @@ class ReplicaSpec:
     api_key: str | None
     num_speculative_tokens: int | None = None
     max_speculative_batch: int | None = None
+    limits: HttpLimits = field(default_factory=HttpLimits)
 
 
 def _absolute_uri(uri: str) -> str:
@@ -71,7 +73,7 @@ def _absolute_uri(uri: str) -> str:
     return Path(uri.removeprefix("file://")).resolve().as_uri()
 
 
-def replica_spec(cfg: ServeJobConfig, api_key: str | None) -> ReplicaSpec:
+def replica_spec(cfg: ServeJobConfig, api_key: str | None, limits: HttpLimits | None = None) -> ReplicaSpec:
     return ReplicaSpec(
         target=str(Path(cfg.target.name).resolve()) if Path(cfg.target.name).is_dir() else cfg.target.name,
         dtype=cfg.target.dtype, device=cfg.target.device, model_name=cfg.served_model_name,
@@ -82,7 +84,7 @@ def replica_spec(cfg: ServeJobConfig, api_key: str | None) -> ReplicaSpec:
         cache_dir=str(Path(cfg.registry.cache_dir or cfg.run_dir / "drafter-cache").resolve()),
         num_threads=cfg.engine.num_threads, api_key=api_key,
         num_speculative_tokens=cfg.engine.num_speculative_tokens,
-        max_speculative_batch=cfg.engine.max_speculative_batch,
+        max_speculative_batch=cfg.engine.max_speculative_batch, limits=limits or HttpLimits(),
     )
 
 
@@ -109,11 +111,11 @@ class SpecrayReplica:
 
     def __serve_build_asgi_app__(self):
         return create_app(self.engine, model_name=self.spec.model_name, api_key=self.spec.api_key,
-                          replica_info=self.info)
+                          limits=self.spec.limits, replica_id=self.replica, replica_info=self.info)
 
     def info(self) -> dict:
-        """Shown by /health and /metrics: which replica answered, and why hot-loading last failed."""
-        return {"replica": self.replica, "registry_error": self.poller.last_error if self.poller else None}
+        """Shown by /metrics (behind the key): why hot-loading last failed."""
+        return {"registry_error": self.poller.last_error if self.poller else None}
 
     def check_health(self) -> None:
         if not self.loop.alive:
@@ -143,15 +145,6 @@ class ServeHandle:
         serve.delete(self.app_name)
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: only "localhost" is known to be loopback
-        return False
-
-
 def _wait_ready(url: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -169,8 +162,9 @@ def _wait_ready(url: str, timeout_s: float) -> None:
         time.sleep(0.5)
 
 
-def application(cfg: ServeJobConfig, api_key: str | None):
-    """The bound Serve application (replicas + autoscaling) that ``serve.run`` or a Serve config deploys."""
+def application(cfg: ServeJobConfig, api_key: str | None, limits: HttpLimits | None = None):
+    """The bound Serve application (replicas + autoscaling) that ``serve.run`` or a Serve config deploys.
+    Without ``api_key`` its replicas answer loopback clients only, wherever Serve's proxy binds."""
     a = cfg.autoscaling
     return SpecrayReplica.options(
         name="SpecrayReplica",
@@ -179,10 +173,10 @@ def application(cfg: ServeJobConfig, api_key: str | None):
                             "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": a.downscale_delay_s},
         max_ongoing_requests=cfg.replica.max_ongoing_requests,
         ray_actor_options={"num_cpus": cfg.replica.num_cpus},
-    ).bind(replica_spec(cfg, api_key))
+    ).bind(replica_spec(cfg, api_key, limits))
 
 
-def start_serving(cfg: ServeJobConfig, *, timeout_s: float = 600.0) -> ServeHandle:
+def start_serving(cfg: ServeJobConfig, *, timeout_s: float = 600.0, limits: HttpLimits | None = None) -> ServeHandle:
     """Deploy the replicas described by ``cfg`` and return once ``/health`` answers over HTTP."""
     api_key = cfg.http.api_key or os.environ.get("SPECRAY_API_KEY") or None
     if not is_loopback(cfg.http.host) and not api_key:
@@ -190,7 +184,7 @@ def start_serving(cfg: ServeJobConfig, *, timeout_s: float = 600.0) -> ServeHand
             f"http.host={cfg.http.host!r} makes the server reachable from other machines; set http.api_key "
             "(or $SPECRAY_API_KEY) so requests need 'Authorization: Bearer <key>', or serve on http.host=127.0.0.1"
         )
-    app = application(cfg, api_key)
+    app = application(cfg, api_key, limits)
     connect(cfg.ray.address, cfg.ray.num_cpus)
     serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
     serve.run(app, name=cfg.name, route_prefix="/")

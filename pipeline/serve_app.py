@@ -8,26 +8,45 @@
         args:
           config: manifests/serve.yaml          # a specray serve manifest (optional)
           overrides: ["registry.uri=s3://bucket/registry"]
+          limits: {max_body_bytes: 1048576}     # HttpLimits (serving/http_guard.py), optional
 
     serve run serve_config.yaml
 
 Serve owns the HTTP proxy there (its ``http_options``), so the manifest's ``http.host/port``
-are not used; ``http.api_key`` (or ``$SPECRAY_API_KEY``) still protects every route.
+are not used; ``http.api_key`` (or ``$SPECRAY_API_KEY``) protects every route but /health.
+Without a key the replicas answer loopback clients only, since the proxy may bind any address
+(a RayService binds 0.0.0.0): set the key to serve anyone else.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
+from pydantic import ValidationError
+
 from specray.pipeline.config import ServeJobConfig, load_config
+from specray.serving.http_guard import HttpLimits
+
+log = logging.getLogger(__name__)
 
 
 def build_app(args: dict):
-    """``args``: ``config`` (a serve manifest path, optional) and ``overrides`` (``section.field=value`` list)."""
+    """``args``: ``config`` (a serve manifest path, optional), ``overrides`` (``section.field=value``
+    list) and ``limits`` (``HttpLimits`` fields, optional)."""
     from specray.actors.serve import application
 
-    unknown = set(args) - {"config", "overrides"}
+    unknown = set(args) - {"config", "overrides", "limits"}
     if unknown:
-        raise ValueError(f"unknown application args {sorted(unknown)}; use 'config' (a serve manifest) and 'overrides'")
+        raise ValueError(f"unknown application args {sorted(unknown)}; use 'config' (a serve manifest), "
+                         "'overrides' and 'limits'")
     cfg = load_config(ServeJobConfig, args.get("config"), list(args.get("overrides", [])))
-    return application(cfg, cfg.http.api_key or os.environ.get("SPECRAY_API_KEY") or None)
+    try:
+        limits = HttpLimits.model_validate(args.get("limits") or {})
+    except ValidationError as e:
+        problems = "; ".join(f"limits.{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        raise ValueError(f"application arg {problems} (HttpLimits fields: {', '.join(HttpLimits.model_fields)})") from None
+    api_key = cfg.http.api_key or os.environ.get("SPECRAY_API_KEY") or None
+    if api_key is None:
+        log.warning("no API key (http.api_key or $SPECRAY_API_KEY): the replicas answer loopback clients only")
+    return application(cfg, api_key, limits)

@@ -12,11 +12,16 @@ draft position, active drafter version; Prometheus text with ``?format=prometheu
 replica reports its own metrics. The response's ``system_fingerprint`` names the drafter
 version that served the request (``specray-drafter-v3``; ``specray-ar`` without a drafter).
 
+Every route but /health sits behind serving/http_guard.py: with an API key, a missing or wrong
+``Authorization: Bearer KEY`` is a 401 before the body is read; without one, only loopback
+clients are served (403); a body over ``HttpLimits.max_body_bytes`` is a 413. /docs, /redoc
+and /openapi.json exist only with ``HttpLimits.docs``. /health says only that the replica is up,
+which model and drafter version it serves, and its id.
+
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: a malformed body
 or an out-of-range field is a 400 naming the field (FastAPI's 422 becomes 400), a request the
-engine refuses (empty prompt, longer than the context) a 400 with the engine's message, a
-missing or wrong ``Authorization: Bearer KEY`` (when a key is configured) a 401. The engine
-keeps serving after any of them.
+engine refuses (empty prompt, longer than the context) a 400 with the engine's message. The
+engine keeps serving after any of them.
 
 The app needs an engine-like object, not Ray: ``submit(prompt, SamplingParams) ->
 RequestHandle``, ``tokenize(text)``, ``stats()``; someone else steps it (``EngineLoop``).
@@ -25,17 +30,17 @@ RequestHandle``, ``tokenize(text)``, ``stats()``; someone else steps it (``Engin
 from __future__ import annotations
 
 import json
-import secrets
 import time
 import uuid
 from typing import AsyncIterator, Callable, Literal
 
-from fastapi import Depends, FastAPI, Header
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from specray.serving.engine import GenerationOutput, RequestHandle, StreamDelta
+from specray.serving.http_guard import DOCS_PATHS, HttpLimits, RequestGuard, error_response
 from specray.serving.sampling import SamplingParams
 
 DEFAULT_CHAT_MAX_TOKENS = 256  # when a chat request sets neither max_tokens nor max_completion_tokens
@@ -108,7 +113,7 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body, status_code=self.status)
+        return error_response(self.status, self.message, type=self.type, param=self.param, code=self.code)
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -234,24 +239,22 @@ def _prometheus(stats: dict, model: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def create_app(engine, *, model_name: str, api_key: str | None = None,
-               replica_info: Callable[[], dict] | None = None) -> FastAPI:
-    """The OpenAI-compatible app over ``engine`` (see the module docstring); ``replica_info()`` is
-    added to /health and /metrics (which replica answered, its hot-load state)."""
-    app = FastAPI(title="specray", description="OpenAI-compatible speculative decoding server")
+def create_app(engine, *, model_name: str, api_key: str | None = None, limits: HttpLimits | None = None,
+               replica_id: str | None = None, replica_info: Callable[[], dict] | None = None) -> FastAPI:
+    """The OpenAI-compatible app over ``engine`` behind its ``RequestGuard`` (see the module
+    docstring). ``replica_id`` names the replica in /health and /metrics; ``replica_info()`` is
+    added to /metrics only (its hot-load state may name paths and errors)."""
+    limits = limits or HttpLimits()
+    docs = {"docs_url": "/docs", "redoc_url": "/redoc", "openapi_url": "/openapi.json"} if limits.docs else {
+        "docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="specray", description="OpenAI-compatible speculative decoding server", **docs)
+    app.add_middleware(RequestGuard, api_key=api_key, limits=limits,
+                       public_paths={"/health"} | (DOCS_PATHS if limits.docs else set()))
     info = replica_info or dict
     app.add_exception_handler(APIError, lambda request, exc: exc.response())
     app.add_exception_handler(RequestValidationError, lambda request, exc: _validation_error(exc).response())
     app.add_exception_handler(Exception, lambda request, exc: APIError(
         500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error").response())
-
-    def authorize(authorization: str | None = Header(None)) -> None:
-        if api_key is None:
-            return
-        scheme, _, key = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), api_key.encode()):
-            raise APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
-                           type="authentication_error", code="invalid_api_key")
 
     def check_model(model: str | None) -> None:
         if model is not None and model != model_name:
@@ -275,14 +278,14 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
             if not handle.done:  # cancelled: the client went away
                 handle.abort()
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/completions")
     async def completions(request: CompletionRequest):
         check_model(request.model)
         prompt = engine.tokenize(request.prompt) if isinstance(request.prompt, str) else request.prompt
         handle = submit(prompt, request, request.max_tokens)
         return await answer(False, request, handle)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest):
         check_model(request.model)
         max_tokens = request.max_completion_tokens or request.max_tokens or DEFAULT_CHAT_MAX_TOKENS
@@ -290,20 +293,20 @@ def create_app(engine, *, model_name: str, api_key: str | None = None,
         handle = submit(messages, request, max_tokens)
         return await answer(True, request, handle)
 
-    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "specray"}]}
 
     @app.get("/health")
     async def health():
-        stats = engine.stats()
-        return {"status": "ok", "model": model_name, "drafter_version": stats["active_version"]} | info()
+        return {"status": "ok", "model": model_name, "drafter_version": engine.stats()["active_version"],
+                "replica": replica_id}
 
-    @app.get("/metrics", dependencies=[Depends(authorize)])
+    @app.get("/metrics")
     async def metrics(format: Literal["json", "prometheus"] = "json"):
         stats = engine.stats()
         if format == "prometheus":
             return PlainTextResponse(_prometheus(stats, model_name), media_type="text/plain; version=0.0.4")
-        return {"model": model_name} | stats | info()
+        return {"model": model_name, "replica": replica_id} | stats | info()
 
     return app

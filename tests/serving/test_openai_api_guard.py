@@ -1,0 +1,148 @@
+"""The OpenAI app's guard (no Ray): the key is checked before the body is read, a server without
+a key answers loopback clients only, bodies are capped, the API docs are off and /health reveals
+no paths or errors; the engine keeps serving after each refusal."""
+
+import asyncio
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from specray.serving.engine import Engine, EngineLoop
+from specray.serving.openai_api import create_app
+
+KEY = "sk-guard-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+LOOPBACK = ("127.0.0.1", 50000)
+
+
+class _Spy:
+    """The engine, counting the calls that cost time (tokenizing, submitting)."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    def tokenize(self, text):
+        self.calls.append("tokenize")
+        return self.engine.tokenize(text)
+
+    def submit(self, prompt, params):
+        self.calls.append("submit")
+        return self.engine.submit(prompt, params)
+
+    def stats(self):
+        return self.engine.stats()
+
+
+@pytest.fixture(scope="module")
+def engine(debug_target):
+    engine = Engine(debug_target, None, max_batch=2, max_len=256)
+    loop = EngineLoop(engine).start()
+    yield engine
+    loop.stop()
+
+
+def _app(engine, **kwargs):
+    spy = _Spy(engine)
+    return spy, create_app(spy, model_name="debug", **kwargs)
+
+
+def _still_serving(client, headers=AUTH):
+    ok = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=headers)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1, ok.text
+
+
+def _asgi(app, path: str, headers: list[tuple[bytes, bytes]], chunks: list[bytes]):
+    """One POST straight through the ASGI interface; returns (status, body, body chunks read)."""
+    read, sent = [], []
+
+    async def receive():
+        if not chunks:
+            return {"type": "http.disconnect"}
+        read.append(chunks.pop(0))
+        return {"type": "http.request", "body": read[-1], "more_body": bool(chunks)}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
+             "headers": [(b"host", b"testserver"), (b"content-type", b"application/json"), *headers],
+             "client": LOOPBACK, "server": ("127.0.0.1", 8000)}
+    asyncio.run(app(scope, receive, send))
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return status, json.loads(body), len(read)
+
+
+def test_the_key_is_checked_before_the_body_is_read(engine):
+    spy, app = _app(engine, api_key=KEY)
+    body = json.dumps({"prompt": "x", "max_tokens": 2}).encode()
+    for headers in ([], [(b"authorization", b"Bearer wrong")], [(b"authorization", KEY.encode())]):
+        status, error, read = _asgi(app, "/v1/completions", headers, [body[:5], body[5:]])
+        assert (status, error["error"]["code"], read) == (401, "invalid_api_key", 0)
+    status, out, read = _asgi(app, "/v1/completions", [(b"authorization", f"Bearer {KEY}".encode())],
+                              [body[:5], body[5:]])
+    assert status == 200 and read == 2 and out["usage"]["completion_tokens"] >= 1
+    assert spy.calls == ["tokenize", "submit"]
+
+
+def test_without_a_key_only_loopback_clients_are_served(engine):
+    """The Serve-config / RayService path cannot see where Serve's proxy binds (0.0.0.0 there):
+    without a key, a request from any other address is refused."""
+    spy, app = _app(engine)
+    remote = TestClient(app, client=("203.0.113.7", 40000))
+    for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+                         ("GET", "/metrics")):
+        r = remote.request(method, path, json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 403, (path, r.text)
+        assert r.json()["error"]["code"] == "api_key_required" and "http.api_key" in r.json()["error"]["message"]
+    assert spy.calls == [] and remote.get("/health").status_code == 200  # probes come from the node
+    _still_serving(TestClient(app, client=LOOPBACK), headers={})
+    _still_serving(TestClient(app, client=("::1", 40000)), headers={})
+
+
+def test_the_body_is_capped(engine):
+    spy, app = _app(engine, api_key=KEY)
+    client = TestClient(app, client=LOOPBACK)
+    big = {"prompt": [1] * 600_000, "max_tokens": 2}  # 1.2 MB of JSON: over the 1 MiB default
+    r = client.post("/v1/completions", json=big, headers=AUTH)
+    assert r.status_code == 413 and "max_body_bytes" in r.json()["error"]["message"], r.text
+    assert spy.calls == []
+    # without a Content-Length (chunked): refused once the cap is passed, the rest never read
+    chunks = [b'{"prompt": [' + b"1," * 200_000] * 8 + [b"1]}"]
+    status, error, read = _asgi(app, "/v1/completions", [(b"authorization", f"Bearer {KEY}".encode())], chunks)
+    assert (status, error["error"]["code"], read) == (413, "request_too_large", 3)
+    _still_serving(client)
+
+
+def test_the_body_cap_is_configurable(engine):
+    from specray.serving.http_guard import HttpLimits
+
+    _, app = _app(engine, api_key=KEY, limits=HttpLimits(max_body_bytes=100))
+    client = TestClient(app, client=LOOPBACK)
+    assert client.post("/v1/completions", json={"prompt": "x" * 100}, headers=AUTH).status_code == 413
+    _still_serving(client)
+
+
+def test_docs_are_off_unless_configured(engine):
+    from specray.serving.http_guard import HttpLimits
+
+    _, app = _app(engine, api_key=KEY)
+    client = TestClient(app, client=LOOPBACK)
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert client.get(path, headers=AUTH).status_code == 404, path
+    _, app = _app(engine, api_key=KEY, limits=HttpLimits(docs=True))
+    client = TestClient(app, client=LOOPBACK)
+    assert client.get("/openapi.json").json()["info"]["title"] == "specray" and client.get("/docs").status_code == 200
+
+
+def test_health_reveals_no_paths_or_errors(engine):
+    secret = "version 3 rejected: /home/ops/secrets/registry/v000003/config.json: bad"
+    _, app = _app(engine, api_key=KEY, replica_id="r-1", replica_info=lambda: {"registry_error": secret})
+    client = TestClient(app, client=LOOPBACK)
+    health = client.get("/health")
+    assert health.status_code == 200
+    assert health.json() == {"status": "ok", "model": "debug", "drafter_version": None, "replica": "r-1"}
+    metrics = client.get("/metrics", headers=AUTH).json()  # behind the key, the operator sees why
+    assert metrics["registry_error"] == secret and metrics["replica"] == "r-1"
