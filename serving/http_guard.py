@@ -29,11 +29,14 @@ DOCS_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.js
 
 
 class HttpLimits(BaseModel):
-    """Per-request bounds of the OpenAI API, checked before the app sees the request."""
+    """Per-request bounds of the OpenAI API, checked before any tokenizing or engine work."""
 
     model_config = ConfigDict(extra="forbid")
 
     max_body_bytes: int = Field(1 << 20, gt=0, description="largest request body in bytes; larger ones are a 413")
+    max_prompt_bytes: int = Field(
+        256 << 10, gt=0, description="largest prompt text (a chat's message contents together) in UTF-8 bytes, "
+                                     "refused before tokenizing; raise it for contexts above ~50k tokens")
     docs: bool = Field(False, description="serve /docs, /redoc and /openapi.json, without a key (off: 404)")
 
 

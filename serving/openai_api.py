@@ -19,9 +19,10 @@ and /openapi.json exist only with ``HttpLimits.docs``. /health says only that th
 which model and drafter version it serves, and its id.
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: a malformed body
-or an out-of-range field is a 400 naming the field (FastAPI's 422 becomes 400), a request the
-engine refuses (empty prompt, longer than the context) a 400 with the engine's message. The
-engine keeps serving after any of them.
+or an out-of-range field is a 400 naming the field (FastAPI's 422 becomes 400), a prompt over
+``HttpLimits.max_prompt_bytes`` a 400 before it is tokenized, a request the engine refuses
+(empty prompt, longer than the context) a 400 with the engine's message. The engine keeps
+serving after any of them.
 
 The app needs an engine-like object, not Ray: ``submit(prompt, SamplingParams) ->
 RequestHandle``, ``tokenize(text)``, ``stats()``; someone else steps it (``EngineLoop``).
@@ -44,6 +45,7 @@ from specray.serving.http_guard import DOCS_PATHS, HttpLimits, RequestGuard, err
 from specray.serving.sampling import SamplingParams
 
 DEFAULT_CHAT_MAX_TOKENS = 256  # when a chat request sets neither max_tokens nor max_completion_tokens
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256  # as SamplingParams bounds them, checked here to name the field
 
 
 # -- protocol models ---------------------------------------------------------------------
@@ -62,13 +64,27 @@ class _SamplingFields(_Body):
     temperature: float = Field(1.0, ge=0, description="0 = greedy")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus mass, in (0, 1]")
     top_k: int = Field(0, ge=-1, description="keep the k most likely tokens; 0 or -1 = off")
-    stop: str | list[str] | None = Field(None, description="stop strings (not included in the output)")
-    seed: int | None = Field(None, description="seeds sampling, for reproducible outputs")
+    stop: str | list[str] | None = Field(
+        None, description=f"stop strings (not included in the output): at most {MAX_STOP_STRINGS}, "
+                          f"of at most {MAX_STOP_CHARS} characters each")
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64, description="seeds sampling, for reproducible outputs")
     stream: bool = Field(False, description="server-sent events, one chunk per engine step")
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="choices per request (only 1)")
     ignore_eos: bool = Field(False, description="keep generating past EOS (benchmarks)")
     user: str | None = Field(None, description="end-user id (recorded nowhere)")
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+        long = [i for i, s in enumerate(stops) if len(s) > MAX_STOP_CHARS]
+        if long:
+            raise ValueError(f"stop strings are at most {MAX_STOP_CHARS} characters; stop[{long[0]}] has "
+                             f"{len(stops[long[0]])}")
+        return stop
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -126,6 +142,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         field = ".".join(loc) or "body"
         if err["type"] == "extra_forbidden":
             message = "unknown field; this server does not implement it"
+        elif err["type"] == "model_attributes_type" and field == "body":
+            message = "the body must be a JSON object, sent with 'Content-Type: application/json'"
         elif err["type"] == "missing":
             message = "required"
         else:
@@ -256,6 +274,12 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, limits: H
     app.add_exception_handler(Exception, lambda request, exc: APIError(
         500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error").response())
 
+    def check_prompt_bytes(texts: list[str], param: str) -> None:
+        size = sum(len(t.encode()) for t in texts)
+        if size > limits.max_prompt_bytes:
+            raise APIError(400, f"the prompt is {size} bytes; this server accepts at most {limits.max_prompt_bytes} "
+                                "(http limits.max_prompt_bytes)", param=param, code="prompt_too_long")
+
     def check_model(model: str | None) -> None:
         if model is not None and model != model_name:
             raise APIError(404, f"model {model!r} is not served here; this server serves {model_name!r}",
@@ -281,6 +305,8 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, limits: H
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest):
         check_model(request.model)
+        if isinstance(request.prompt, str):
+            check_prompt_bytes([request.prompt], "prompt")
         prompt = engine.tokenize(request.prompt) if isinstance(request.prompt, str) else request.prompt
         handle = submit(prompt, request, request.max_tokens)
         return await answer(False, request, handle)
@@ -288,6 +314,7 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, limits: H
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest):
         check_model(request.model)
+        check_prompt_bytes([m.content for m in request.messages], "messages")
         max_tokens = request.max_completion_tokens or request.max_tokens or DEFAULT_CHAT_MAX_TOKENS
         messages = [m.model_dump() for m in request.messages]
         handle = submit(messages, request, max_tokens)

@@ -1,6 +1,7 @@
-"""The OpenAI app's guard (no Ray): the key is checked before the body is read, a server without
-a key answers loopback clients only, bodies are capped, the API docs are off and /health reveals
-no paths or errors; the engine keeps serving after each refusal."""
+"""The OpenAI app's guard and request bounds (no Ray): the key is checked before the body is
+read, a server without a key answers loopback clients only, bodies and prompts are capped
+before any tokenizing, stop strings are bounded, the API docs are off and /health reveals no
+paths or errors; the engine keeps serving after each refusal."""
 
 import asyncio
 import json
@@ -75,6 +76,9 @@ def _asgi(app, path: str, headers: list[tuple[bytes, bytes]], chunks: list[bytes
     return status, json.loads(body), len(read)
 
 
+# -- item 12: the key, loopback-only without one, the body cap, docs, /health ------------------------
+
+
 def test_the_key_is_checked_before_the_body_is_read(engine):
     spy, app = _app(engine, api_key=KEY)
     body = json.dumps({"prompt": "x", "max_tokens": 2}).encode()
@@ -146,3 +150,60 @@ def test_health_reveals_no_paths_or_errors(engine):
     assert health.json() == {"status": "ok", "model": "debug", "drafter_version": None, "replica": "r-1"}
     metrics = client.get("/metrics", headers=AUTH).json()  # behind the key, the operator sees why
     assert metrics["registry_error"] == secret and metrics["replica"] == "r-1"
+
+
+# -- item 13: bounds checked at the HTTP layer, before tokenizing ---------------------------------
+
+
+def test_a_long_prompt_is_refused_by_its_bytes_before_tokenizing(engine):
+    spy, app = _app(engine, api_key=KEY)
+    client = TestClient(app, client=LOOPBACK)
+    r = client.post("/v1/completions", json={"prompt": "é" * 150_000, "max_tokens": 2}, headers=AUTH)  # 300 kB
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["param"], error["code"]) == ("prompt", "prompt_too_long") and "300000 bytes" in error["message"]
+    messages = [{"role": "user", "content": "x" * 200_000}, {"role": "user", "content": "y" * 100_000}]
+    r = client.post("/v1/chat/completions", json={"messages": messages}, headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert spy.calls == []  # neither tokenized nor rendered
+    _still_serving(client)
+
+
+@pytest.mark.parametrize("stop, message", [
+    ([f"s{i}" for i in range(17)], "at most 16 stop strings, got 17"),
+    ([f"s{i}" for i in range(40_000)], "at most 16 stop strings, got 40000"),
+    ("x" * 257, "stop strings are at most 256 characters; stop[0] has 257"),
+    (["ok", "y" * 1000], "stop[1] has 1000"),
+])
+def test_stop_strings_are_bounded(engine, stop, message):
+    spy, app = _app(engine, api_key=KEY)
+    client = TestClient(app, client=LOOPBACK)
+    for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions",
+                                                              {"messages": [{"role": "user", "content": "x"}]})):
+        r = client.post(path, json=body | {"stop": stop, "max_tokens": 2}, headers=AUTH)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "stop" and message in r.json()["error"]["message"]
+    assert spy.calls == []
+    ok = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stop": [f"{i:02d}" + "z" * 254
+                                                                                       for i in range(16)]},
+                     headers=AUTH)
+    assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("content, headers, param, message", [
+    (b"[1, 2]", {"Content-Type": "application/json"}, None, "the body must be a JSON object"),
+    (b'"x"', {"Content-Type": "application/json"}, None, "the body must be a JSON object"),
+    (b'{"prompt": "x"}', {"Content-Type": "text/plain"}, None, "Content-Type: application/json"),
+    (b'{"prompt": {"a": 1}}', {"Content-Type": "application/json"}, "prompt", "valid string"),
+    (b'{"prompt": "x", "max_tokens": "many"}', {"Content-Type": "application/json"}, "max_tokens", "valid integer"),
+    (b'{"prompt": "x", "stream": "often"}', {"Content-Type": "application/json"}, "stream", "valid boolean"),
+    (b'{"prompt": "x", "seed": 1180591620717411303424}', {"Content-Type": "application/json"}, "seed", "less than"),
+    (b'{"prompt": "x", "n": 2}', {"Content-Type": "application/json"}, "n", "less than or equal to 1"),
+])
+def test_malformed_bodies_are_400s_that_say_why(engine, content, headers, param, message):
+    spy, app = _app(engine, api_key=KEY)
+    client = TestClient(app, client=LOOPBACK)
+    r = client.post("/v1/completions", content=content, headers=AUTH | headers)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and message in r.json()["error"]["message"], r.text
+    assert spy.calls == []
