@@ -22,8 +22,9 @@ from __future__ import annotations
 
 from specray.drafters import ALGORITHMS, DRAFTERS
 from specray.trainer.strategies.dflash import DFlashStrategy
+from specray.trainer.strategies.eagle3 import Eagle3Strategy
 
-STRATEGIES = {"dflash": DFlashStrategy}
+STRATEGIES = {"dflash": DFlashStrategy, "eagle3": Eagle3Strategy}
 
 
 def implemented() -> list[str]:

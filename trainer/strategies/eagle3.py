@@ -1,0 +1,168 @@
+"""EAGLE-3 objective (seed §3.2–3.3): the training-time test, soft teacher targets, decayed steps.
+
+Per sequence of a TrainBatch (``x`` tokens, ``h`` captured features, ``y`` the target's final-norm
+output — the exact input of its LM head, ``capture/contract.py``):
+
+1. **Unroll.** ``ttt_length`` steps over every row at once (``drafters/eagle3.py::forward``).
+   Step ``i``, row ``t`` reads token ``x_{t+1+i}`` (teacher-forced: the data token, never the
+   drafter's argmax) at position ``t + 1 + i``; step 0 reads the target state ``g_t = fc(h_t)``,
+   step ``i > 0`` the drafter's own output state of step ``i − 1`` at the same row, and every
+   step attends under ``ttt_attention_mask`` (its row's context, then its own chain). No
+   stop-gradient between steps (seed §3.3): the gradient runs through the self-fed states.
+2. **Teacher.** Step ``i`` row ``t`` predicts ``x_{t+2+i}``, so its teacher is the target's
+   distribution at position ``t + 1 + i``: ``p = softmax(lm_head(y_{t+1+i}))`` over the draft
+   vocabulary's rows (renormalised there; all of V without a draft vocabulary). The target is
+   frozen and the teacher carries no gradient.
+3. **Supervision.** A row is supervised at step ``i`` iff its chain starts on an answer token
+   (``loss_mask[t+1]``: at inference the chain starts at the anchor, a token the target
+   produced) and stays in that answer up to the predicted token (``loss_mask[t+2 … t+2+i]``,
+   past the end = no), so supervised rows shrink with depth. The loss
+   also skips rows whose teacher argmax is outside the draft vocabulary (the drafter could not
+   propose it; SpecForge's position mask), which accuracy counts as misses.
+4. **Loss.** Soft cross-entropy per step, mean over its covered rows, steps weighted by
+   ``ploss_decay ** i``::
+
+       L = Σ_i ploss_decay^i · mean_{covered rows} ( − Σ_v p_v log q_v )
+
+Metrics are sums (they add over micro-batches, steps and ranks), per TTT depth ``i``: the
+supervised count, top-1 agreement with the target's argmax (over the whole vocabulary), the
+covered count and its CE sum; per chain (a row supervised at depth 0) the teacher-forced
+accepted length, the leading run of correct depths, so ``tau_tf = 1 + mean accepted``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from specray.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from specray.trainer.loader import TrainBatch
+
+TEACHER_CHUNK = 1024  # rows per full-vocabulary product when taking the teacher's argmax
+
+
+class Eagle3Objective(BaseModel):
+    """The manifest's ``objective`` section when ``drafter.algorithm`` is eagle3."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ttt_length: int = Field(7, gt=0, description="training-time test steps unrolled (draft depths trained)")
+    ploss_decay: float = Field(0.8, gt=0, le=1, description="weight of TTT step i: ploss_decay ** i")
+
+
+def step_weights(ttt_length: int, ploss_decay: float) -> torch.Tensor:
+    """[ttt_length] the loss weight of each TTT step: ``ploss_decay ** i``."""
+    return ploss_decay ** torch.arange(ttt_length, dtype=torch.float64)
+
+
+def shifted(mask: torch.Tensor, shift: int) -> torch.Tensor:
+    """``mask[:, t + shift]`` at column ``t`` of [B, T], False past the end."""
+    return F.pad(mask[:, shift:], (0, min(shift, mask.shape[1])))
+
+
+def supervised_rows(loss_mask: torch.Tensor, ttt_length: int) -> torch.Tensor:
+    """[ttt_length, B, T] bool: row ``t`` supervised at step ``i`` iff ``loss_mask`` holds on all of
+    ``t+1 … t+2+i`` (the chain's tokens and its label are one answer run; a chain never crosses a
+    user turn). Example, loss_mask ``[0 1 1 1 0 1 1]``, 2 steps: step 0 ``[1 1 0 0 1 0 0]`` (chains
+    from x_1, x_2, x_5 predicting x_2, x_3, x_6), step 1 ``[1 0 0 0 0 0 0]``."""
+    rows = [shifted(loss_mask, 1) & shifted(loss_mask, 2)]
+    for i in range(1, ttt_length):
+        rows.append(rows[-1] & shifted(loss_mask, 2 + i))
+    return torch.stack(rows)
+
+
+@torch.no_grad()
+def teacher(drafter: Eagle3Drafter, last_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's distribution over the draft vocabulary and its argmax over the whole vocabulary.
+
+    last_hidden [B, T, D] (the final norm's output) -> (p [B, T, V_d] float32, argmax [B, T]
+    target ids). Computed in float32 whatever autocast is on: the teacher is exact."""
+    with torch.autocast(last_hidden.device.type, enabled=False):
+        y = last_hidden.float()
+        weight, bias = drafter.head()
+        p = F.linear(y, weight.float(), None if bias is None else bias.float()).softmax(-1)
+        if drafter.draft_vocab is None:
+            return p, p.argmax(-1)
+        full, full_bias = drafter.lm_head.weight.float(), drafter.lm_head.bias
+        flat = y.flatten(0, 1)
+        argmax = torch.cat([F.linear(rows, full, full_bias).argmax(-1) for rows in flat.split(TEACHER_CHUNK)])
+        return p, argmax.view(y.shape[:2])
+
+
+def soft_ce(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """−Σ_v p_v log softmax(logits)_v per row: logits/p [N, V_d] -> [N]."""
+    return -(p * F.log_softmax(logits.float(), dim=-1)).sum(-1)
+
+
+class Eagle3Strategy:
+    """Builds the EAGLE-3 drafter and computes its training-time-test loss and metrics on a TrainBatch."""
+
+    algorithm = "eagle3"
+    objective = Eagle3Objective
+    evaluation: dict = {}  # every row is supervised: held-out evaluation needs no other setting
+
+    def __init__(self, objective: Eagle3Objective = Eagle3Objective(), *, seed: int = 0):
+        self.ttt_length = objective.ttt_length
+        self.ploss_decay = objective.ploss_decay
+        self.seed = seed
+
+    def build_model(self, config: Eagle3Config, *, embed_tokens: nn.Embedding, lm_head: nn.Linear,
+                    final_norm: nn.Module | None = None) -> Eagle3Drafter:
+        """A fresh drafter whose final norm starts as the target's: its output state feeds the
+        target's LM head, which expects the target's normalisation."""
+        model = Eagle3Drafter(config, embed_tokens=embed_tokens, lm_head=lm_head)
+        if final_norm is not None:
+            with torch.no_grad():
+                model.norm.weight.copy_(final_norm.weight)
+        return model
+
+    def generator(self, step: int, micro_index: int) -> torch.Generator:
+        """The strategy protocol's per-micro-batch generator; the objective draws nothing from it."""
+        return torch.Generator().manual_seed(self.seed * 1_000_003 + step * 1_009 + micro_index)
+
+    def forward_loss(self, model: nn.Module, config: Eagle3Config, batch: TrainBatch, generator: torch.Generator):
+        """(loss, metric sums) for one micro-batch; ``model`` may be DDP-wrapped."""
+        if batch.last_hidden_states is None:
+            raise ValueError("EAGLE-3 trains on the target's last_hidden_states: capture the features with "
+                             "capture.algorithm=eagle3")
+        drafter = getattr(model, "module", model)  # unwrap DDP
+        p, argmax = teacher(drafter, batch.last_hidden_states)  # [B, T, V_d], [B, T]
+        supervised = supervised_rows(batch.loss_mask, self.ttt_length)  # [N, B, T]
+        logits = model(batch.hidden_states, batch.input_ids, supervised)  # per step [rows_i, V_d]
+        weights = step_weights(self.ttt_length, self.ploss_decay)
+        loss = logits[0].sum() * 0.0  # keeps every step's graph (and DDP) alive when a step has no rows
+        sums = {name: torch.zeros(self.ttt_length, dtype=torch.float64) for name in ("count", "correct", "ce", "covered")}
+        correct = torch.zeros_like(supervised)
+        for i, step_logits in enumerate(logits):
+            b, t = supervised[i].nonzero(as_tuple=True)
+            step_p, step_argmax = p[b, t + 1 + i], argmax[b, t + 1 + i]  # the teacher at position t + 1 + i
+            covered = drafter.target_to_draft(step_argmax) >= 0
+            ce = soft_ce(step_logits, step_p)  # [rows_i]
+            if covered.any():
+                loss = loss + float(weights[i]) * (ce * covered).sum() / covered.sum()
+            with torch.no_grad():
+                correct[i][b, t] = drafter.draft_to_target(step_logits.argmax(-1)) == step_argmax
+                sums["count"][i] = len(b)
+                sums["correct"][i] = float(correct[i].sum())
+                sums["ce"][i] = float((ce.detach() * covered).sum())
+                sums["covered"][i] = float(covered.sum())
+        accepted = torch.cumprod(correct.long(), dim=0).sum(0)  # [B, T] leading correct depths per chain
+        sums["blocks"] = supervised[0].sum().double().reshape(1)  # chains: rows supervised at depth 0
+        sums["accepted"] = (accepted * supervised[0]).sum().double().reshape(1)
+        return loss, {name: value.to(loss.device) for name, value in sums.items()}
+
+    @staticmethod
+    def summarize(sums: dict[str, torch.Tensor]) -> dict:
+        """Accumulated sums -> per-depth accuracy and CE, and the teacher-forced tau (``blocks`` = chains)."""
+        count = sums["count"].clamp(min=1)
+        blocks = sums["blocks"].clamp(min=1)
+        return {
+            "acc_by_pos": (sums["correct"] / count).tolist(),
+            "ce_by_pos": (sums["ce"] / sums["covered"].clamp(min=1)).tolist(),
+            "coverage": float(sums["covered"].sum() / count.sum()),
+            "acc": float(sums["correct"].sum() / count.sum()),
+            "tau_tf": float(1 + sums["accepted"].sum() / blocks.sum()),
+            "blocks": int(sums["blocks"].sum()),
+        }
