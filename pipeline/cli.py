@@ -2,7 +2,7 @@
 
     specray capture -c manifests/capture-quickstart.yaml [section.field=value …]
     specray train -c manifests/train-dflash-quickstart.yaml [section.field=value …]
-    specray export runs/train-dflash-quickstart [--out DIR]
+    specray export runs/train-dflash-quickstart [--out DIR] [--format speculators [--target NAME]]
     specray evaluate EXPORT_DIR --manifest runs/<held-out capture>/manifest.parquet
     specray generate --drafter EXPORT_DIR --prompt "…" [--max-tokens 128] [--temperature 0]
     specray regenerate --out data/self.jsonl --num 256   (self-distilled training conversations)
@@ -53,8 +53,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from specray.trainer.export import export_checkpoint
 
-    out = export_checkpoint(args.checkpoint, args.out)
-    print(f"exported   {out}")
+    if args.format == "specray":
+        out = export_checkpoint(args.checkpoint, args.out)
+        print(f"exported   {out}")
+        return 0
+    from specray.drafters.peer import write_peer_export
+
+    source = Path(args.checkpoint)
+    if not (source / "export.json").is_file():  # a checkpoint: our export first, where `specray export` puts it
+        source = export_checkpoint(source)
+        print(f"exported   {source}")
+    out = write_peer_export(source, args.out or f"{source}-speculators", target=args.target)
+    print(f"exported   {out} (speculators; vLLM: --speculative-config '{{\"model\": \"{out}\"}}')")
     return 0
 
 
@@ -248,8 +258,15 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(fn=_cmd_train)
 
     export = sub.add_parser("export", help="turn a training checkpoint into a drafter directory for serving")
-    export.add_argument("checkpoint", help="a run dir (its latest checkpoint), a checkpoints dir, or a step-* dir")
-    export.add_argument("--out", default=None, help="export directory (default <run_dir>/exports/step-N)")
+    export.add_argument("checkpoint", help="a run dir (its latest checkpoint), a checkpoints dir, or a step-* dir; "
+                                           "with --format speculators also an export directory")
+    export.add_argument("--out", default=None, help="export directory (default <run_dir>/exports/step-N; "
+                                                    "speculators: <export>-speculators)")
+    export.add_argument("--format", choices=("specray", "speculators"), default="specray",
+                        help="specray: our serving format; speculators: the format vLLM and the speculators "
+                             "package load (drafters/peer.py)")
+    export.add_argument("--target", default=None, help="speculators: the target the drafter was trained for "
+                                                       "(default: the one named in its export.json)")
     export.set_defaults(fn=_cmd_export)
 
     evaluate = sub.add_parser("evaluate", help="teacher-forced per-position accuracy of an export on a manifest")

@@ -1,0 +1,306 @@
+"""The peer export format: an export written as a ``speculators`` checkpoint, which vLLM loads.
+
+    specray export runs/x/exports/final --format speculators --out runs/x/exports/final-speculators
+    vllm serve TARGET --speculative-config '{"model": "runs/x/exports/final-speculators"}'
+
+    <out>/config.json          speculators_model_type, a complete transformer_layer_config (vLLM
+                               fills in nothing), speculators_config (a greedy proposal of k
+                               tokens; the verifier), and the algorithm's fields
+    <out>/model.safetensors    the drafter's weights under the peer names; with a draft
+                               vocabulary also d2t, t2d and lm_head.weight
+    <out>/specray_export.json  our provenance: the source export's config.json (fingerprints,
+                               capture contract) and export.json (sha256 of its weights), the
+                               target it was checked against, the sha256 of this model.safetensors
+
+Weights, ours -> peer (speculators 0.9.0 ``DFlashDraftModel`` / ``Eagle3DraftModel``)::
+
+    DFlash                                    peer
+    fc.weight                                 fc.weight (input blocks in ascending layer order)
+    context_norm.weight                       hidden_norm.weight
+    layers.N.input_norm.weight                layers.N.input_layernorm.weight
+    layers.N.attn.{q,k,v,o}_proj.weight       layers.N.self_attn.{q,k,v,o}_proj.weight
+    layers.N.attn.{q,k}_norm.weight           layers.N.self_attn.{q,k}_norm.weight
+    layers.N.post_norm.weight                 layers.N.post_attention_layernorm.weight
+    layers.N.{gate,up,down}_proj.weight       layers.N.mlp.{gate,up,down}_proj.weight
+    norm.weight                               norm.weight
+    layers.N.attn.block_key_bias              (none: refused unless all zero)
+
+    EAGLE-3: the drafter's module names are the peer's (drafters/eagle3.py), fc.weight's input
+    blocks reordered as for DFlash.
+
+    draft_vocab [V_d] (target ids)            d2t [V_d] int64 offsets (target id = i + d2t[i]),
+                                              t2d [V] bool, lm_head.weight [V_d, D] (the target
+                                              head's rows); none of the three without one
+
+The target's embedding is never written (vLLM and speculators take the verifier's), nor is its
+full LM head. Layer ids: our capture contract counts decoder-layer *outputs* (``i`` = the
+residual leaving layer ``i``, capture/contract.py); the peer counts layer *inputs*, so the
+same tensor is ``i + 1`` there, listed ascending.
+
+A drafter the peer model cannot express is refused (``PeerFormatError`` naming the field and
+the fix) rather than exported to give other logits: DFlash's learned in-block key bias and its
+sliding attention (vLLM slides the window per query row; ours ends at the block's anchor).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
+
+from specray.capture.target import Target, load_target
+from specray.drafters.common import d2t_offsets, t2d_mask
+from specray.drafters.format import load_drafter, read_drafter_config
+
+SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format this writes (and the tests load)
+
+
+class PeerFormatError(ValueError):
+    """A drafter the peer format cannot express, or an export that cannot be converted."""
+
+
+@dataclass(frozen=True)
+class PeerLayout:
+    """How one algorithm's export becomes a speculators checkpoint.
+
+    - ``model_type``: ``speculators_model_type`` (vLLM's speculative method);
+    - ``peer_architecture``: the speculators model class name (``architectures``);
+    - ``layer_ids_field``: the config field of the captured layer ids (the peer's convention);
+    - ``renames``: (pattern on our state-dict key, peer key template) in order, first match wins;
+      a key no pattern matches is an error (a drafter module the layout does not know);
+    - ``layer_config``: the transformers config class of the peer's decoder layers;
+    - ``fields``: architecture -> the algorithm's top-level config fields;
+    - ``speculative_tokens``: architecture -> the proposal's default k;
+    - ``refusals``: (architecture, state) -> what the peer cannot express, one message each.
+    """
+
+    model_type: str
+    peer_architecture: str
+    layer_ids_field: str
+    renames: tuple[tuple[str, str], ...]
+    layer_config: type[PretrainedConfig]
+    fields: Callable[[dict], dict]
+    speculative_tokens: Callable[[dict], int]
+    refusals: Callable[[dict, dict[str, torch.Tensor]], list[str]]
+
+
+def _dflash_refusals(arch: dict, state: dict[str, torch.Tensor]) -> list[str]:
+    reasons = []
+    biases = {k: v for k, v in state.items() if k.endswith("block_key_bias")}
+    worst = max((float(v.abs().max()) for v in biases.values()), default=0.0)
+    if worst != 0.0:
+        reasons.append(
+            f"drafter.block_key_bias: the drafter has a learned in-block key bias (max |bias| {worst:.3g} in "
+            f"{sorted(biases)[0]}, …) that no peer model has, so vLLM and speculators would compute other "
+            "logits; train with drafter.block_key_bias=0 (off) to export it as speculators, or serve it with specray"
+        )
+    if arch.get("attention") == "sliding":
+        reasons.append(
+            "drafter.attention=sliding: vLLM slides the window per query row, specray's ends at the block's anchor, "
+            "so the peer would attend to other context; train with drafter.attention=full to export it as speculators"
+        )
+    return reasons
+
+
+def _dflash_fields(arch: dict) -> dict:
+    return {"block_size": arch["block_size"], "mask_token_id": arch["mask_token_id"],
+            "sliding_window_non_causal": False, "sample_from_anchor": False}
+
+
+def _eagle3_fields(arch: dict) -> dict:
+    # norm_before_residual is always written: vLLM's default (True) is not speculators' (False).
+    return {"norm_before_residual": bool(arch["norm_before_residual"]), "norm_before_fc": False,
+            "fc_norm": False, "norm_output": False, "embed_requires_grad": False}
+
+
+PEER_LAYOUTS: dict[str, PeerLayout] = {
+    "dflash": PeerLayout(
+        model_type="dflash", peer_architecture="DFlashSpeculator", layer_ids_field="aux_hidden_state_layer_ids",
+        renames=(
+            (r"fc\.weight", "fc.weight"),
+            (r"context_norm\.weight", "hidden_norm.weight"),
+            (r"norm\.weight", "norm.weight"),
+            (r"layers\.(\d+)\.input_norm\.weight", r"layers.\1.input_layernorm.weight"),
+            (r"layers\.(\d+)\.attn\.([qkvo]_proj|[qk]_norm)\.weight", r"layers.\1.self_attn.\2.weight"),
+            (r"layers\.(\d+)\.post_norm\.weight", r"layers.\1.post_attention_layernorm.weight"),
+            (r"layers\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", r"layers.\1.mlp.\2.weight"),
+            (r"layers\.(\d+)\.attn\.block_key_bias", ""),  # all zero (else refused): nothing to write
+        ),
+        layer_config=Qwen3Config, fields=_dflash_fields,
+        speculative_tokens=lambda arch: arch["block_size"] - 1,  # the block's draft positions
+        refusals=_dflash_refusals,
+    ),
+    "eagle3": PeerLayout(
+        model_type="eagle3", peer_architecture="Eagle3Speculator", layer_ids_field="eagle_aux_hidden_state_layer_ids",
+        renames=((r"(fc\.weight|norm\.weight|layers\.\d+\..+)", r"\1"),),
+        layer_config=LlamaConfig, fields=_eagle3_fields,
+        speculative_tokens=lambda arch: 3,  # speculators' default TTT depth; vLLM's num_speculative_tokens overrides it
+        refusals=lambda arch, state: [],
+    ),
+}
+
+
+def peer_layer_ids(layer_ids: list[int]) -> list[int]:
+    """Our decoder-layer-output ids -> the peer's layer-input ids, ascending: ``[8, 1, 14] -> [2, 9, 15]``."""
+    return sorted(i + 1 for i in layer_ids)
+
+
+def ascending_fc(fc_weight: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
+    """fc.weight [D, L·D] with its input blocks (one per captured layer, in ``layer_ids`` order)
+    reordered ascending by layer id: ids ``[8, 1]`` -> blocks ``[W_1 | W_8]``."""
+    blocks = fc_weight.chunk(len(layer_ids), dim=1)  # each [D, D]
+    return torch.cat([blocks[i] for i in sorted(range(len(layer_ids)), key=layer_ids.__getitem__)], dim=1)
+
+
+def peer_state(layout: PeerLayout, state: dict[str, torch.Tensor], layer_ids: list[int]) -> dict[str, torch.Tensor]:
+    """The drafter's own weights under the peer names (``draft_vocab`` is handled by ``vocab_tensors``)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        if key == "draft_vocab":
+            continue
+        for pattern, template in layout.renames:
+            if re.fullmatch(pattern, key):
+                peer_key = re.sub(pattern, template, key) if template else ""
+                break
+        else:
+            raise PeerFormatError(f"{layout.model_type} weight {key!r} has no name in the speculators format; "
+                                  "the drafter has a module this specray cannot export (drafters/peer.py PEER_LAYOUTS)")
+        if peer_key:
+            out[peer_key] = tensor.detach().contiguous()
+    out["fc.weight"] = ascending_fc(out["fc.weight"], layer_ids).contiguous()
+    return out
+
+
+def vocab_tensors(draft_vocab: torch.Tensor | None, lm_head_weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """With a draft vocabulary [V_d]: d2t [V_d], t2d [V] and the target head's rows lm_head.weight [V_d, D]."""
+    if draft_vocab is None:
+        return {}
+    ids = draft_vocab.long()
+    return {"d2t": d2t_offsets(ids), "t2d": t2d_mask(ids, lm_head_weight.shape[0]),
+            "lm_head.weight": lm_head_weight.detach()[ids].contiguous()}
+
+
+def layer_config(layout: PeerLayout, arch: dict, target: Target, dtype: torch.dtype) -> dict:
+    """The complete transformers config of the peer's decoder layers (every field written)."""
+    tcfg = target.model.config
+    config = layout.layer_config(
+        vocab_size=arch["vocab_size"], hidden_size=arch["hidden_size"],
+        intermediate_size=arch["intermediate_size"], num_hidden_layers=arch["num_layers"],
+        num_attention_heads=arch["num_heads"], num_key_value_heads=arch["num_kv_heads"], head_dim=arch["head_dim"],
+        hidden_act="silu", rms_norm_eps=arch["rms_norm_eps"], attention_bias=False,
+        rope_parameters={"rope_type": "default", "rope_theta": float(arch["rope_theta"])},
+        max_position_embeddings=tcfg.max_position_embeddings, tie_word_embeddings=False,
+        pad_token_id=tcfg.pad_token_id, bos_token_id=tcfg.bos_token_id, eos_token_id=tcfg.eos_token_id,
+    ).to_dict()
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    return config
+
+
+def peer_config(layout: PeerLayout, arch: dict, target: Target, dtype: torch.dtype,
+                num_speculative_tokens: int | None, verifier_name_or_path: str | None) -> dict:
+    """config.json of the speculators checkpoint."""
+    k = num_speculative_tokens if num_speculative_tokens is not None else layout.speculative_tokens(arch)
+    return {
+        "architectures": [layout.peer_architecture],
+        "speculators_model_type": layout.model_type,
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": layer_config(layout, arch, target, dtype),
+        "draft_vocab_size": arch["draft_vocab_size"] or arch["vocab_size"],
+        "target_hidden_size": arch["hidden_size"],
+        layout.layer_ids_field: peer_layer_ids(list(arch["target_layer_ids"])),
+        **layout.fields(arch),
+        "speculators_config": {
+            "algorithm": layout.model_type,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier_name_or_path or str(target.path),
+                         "architectures": list(target.model.config.architectures or [])},
+        },
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return "sha256:" + digest.hexdigest()
+
+
+def _layout(algorithm: str) -> PeerLayout:
+    if algorithm not in PEER_LAYOUTS:
+        raise PeerFormatError(f"algorithm {algorithm!r} has no speculators layout; exportable: {sorted(PEER_LAYOUTS)}")
+    return PEER_LAYOUTS[algorithm]
+
+
+def _resolve_target(target: Target | str | None, export: dict, src: Path) -> Target:
+    """``target`` itself, else the target named by it, else the one named in the export's provenance."""
+    if isinstance(target, Target):
+        return target
+    name = target or export.get("target")
+    if not name:
+        raise PeerFormatError(f"{src}/export.json names no target; pass the target the drafter was trained for (--target)")
+    return load_target(name)
+
+
+def write_peer_export(export_dir: str | Path, out_dir: str | Path, *, target: Target | str | None = None,
+                      num_speculative_tokens: int | None = None, verifier_name_or_path: str | None = None) -> Path:
+    """Write the specray export ``export_dir`` as a speculators checkpoint at ``out_dir``.
+
+    ``target``: the target the drafter was trained for (a loaded ``Target`` or a name; default:
+    the one named in export.json); the export is checked against its fingerprints and its LM
+    head gives ``lm_head.weight``. ``num_speculative_tokens``: the proposal's k (default: the
+    layout's). ``verifier_name_or_path``: what the config names as verifier (default: the
+    target's local directory, from which speculators reloads the embedding and LM head).
+    """
+    src, out = Path(export_dir), Path(out_dir)
+    if out.exists():
+        raise FileExistsError(f"{out} exists; choose a new directory for the speculators export")
+    config = read_drafter_config(src)
+    export = json.loads((src / "export.json").read_text())
+    layout = _layout(config["algorithm"])
+    target = _resolve_target(target, export, src)
+    model = load_drafter(src, embed_tokens=target.model.get_input_embeddings(),
+                         lm_head=target.model.get_output_embeddings(),
+                         target_fingerprint=target.target_fingerprint, template_fingerprint=target.template_fingerprint)
+    arch, state = model.config.to_dict(), model.state_dict()
+    reasons = layout.refusals(arch, state)
+    if reasons:
+        raise PeerFormatError(f"{src} cannot be exported in the speculators format: " + "; ".join(reasons))
+    dtype = state["fc.weight"].dtype
+    tensors = {**peer_state(layout, state, list(arch["target_layer_ids"])),
+               **vocab_tensors(state.get("draft_vocab"), model.lm_head.weight.to(dtype))}
+    peer = peer_config(layout, arch, target, dtype, num_speculative_tokens, verifier_name_or_path)
+    provenance = {"source": str(src.resolve()), "format": f"speculators {SPECULATORS_VERSION}",
+                  "target": {"name": target.name, "target_fingerprint": target.target_fingerprint,
+                             "template_fingerprint": target.template_fingerprint},
+                  "source_config": config, "source_export": export}
+    return _write(out, peer, tensors, provenance)
+
+
+def _write(out: Path, config: dict, tensors: dict[str, torch.Tensor], provenance: dict) -> Path:
+    """Write the directory atomically (a temporary sibling renamed into place)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    try:
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        provenance = dict(provenance, weights_sha256=_sha256(tmp / "model.safetensors"))
+        (tmp / "specray_export.json").write_text(json.dumps(provenance, indent=2, default=str) + "\n")
+        os.chmod(tmp, 0o755)
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

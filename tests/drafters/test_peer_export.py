@@ -1,0 +1,148 @@
+"""The speculators export (drafters/peer.py): the ``speculators`` package loads it and drafts the
+same logits as our drafter on the same features and tokens; inexpressible drafters are refused.
+
+The peer model runs its own forward (``DFlashDraftModel._backbone_forward`` with the anchors
+fixed, ``Eagle3DraftModel.forward``'s training-time test) in eager attention on CPU.
+"""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from speculators.models import dflash as speculators_dflash
+
+from specray.capture.contract import build_contract
+from specray.drafters import dflash
+from specray.drafters.format import InvalidDrafterError, save_drafter
+from specray.drafters.peer import PeerFormatError, ascending_fc, peer_layer_ids, write_peer_export
+from specray.pipeline.cli import main
+
+LAYER_IDS = (5, 1, 3)  # not ascending on purpose: the peer's fc takes its inputs ascending
+TOLERANCE = 1e-4
+
+
+def _randomise(model):
+    """Weights large enough that the logits spread over several units (a 1e-4 match means something)."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("block_key_bias"):
+                continue
+            p.normal_(1.0, 0.2) if p.dim() == 1 else p.normal_(0.0, 0.2)
+    return model
+
+
+def _export(tmp_path, target, model, vocab_size=None):
+    if vocab_size is not None:
+        model.set_draft_vocab(torch.randperm(target.vocab_size, generator=torch.Generator().manual_seed(2))[:vocab_size])
+    contract = build_contract(model.algorithm, target_fingerprint=target.target_fingerprint,
+                              template_fingerprint=target.template_fingerprint, num_target_layers=target.num_layers,
+                              hidden_size=target.hidden_size, layer_ids=model.config.target_layer_ids, dtype="float32")
+    return save_drafter(tmp_path / "export", model, contract=json.loads(contract.to_json()),
+                        provenance={"run": "random", "target": "debug"})
+
+
+def _dflash(target, **overrides):
+    cfg = replace(dflash.debug_config(target, LAYER_IDS), **{"block_key_bias": 0.0, **overrides})
+    model = dflash.DFlashDrafter(cfg, embed_tokens=target.model.get_input_embeddings(),
+                                 lm_head=target.model.get_output_embeddings())
+    return _randomise(model).eval()
+
+
+def _ascending_features(hidden):
+    """Our features [.., L·D] in the contract's order -> the peer's ascending layer order."""
+    blocks = hidden.chunk(len(LAYER_IDS), dim=-1)
+    return torch.cat([blocks[i] for i in sorted(range(len(LAYER_IDS)), key=LAYER_IDS.__getitem__)], dim=-1)
+
+
+def _peer_model(model_cls, path):
+    config = model_cls.config_class.from_pretrained(path)
+    config.transformer_layer_config._attn_implementation = "eager"
+    return model_cls.from_pretrained(path, config=config).eval()
+
+
+def test_layer_ids_count_inputs_ascending_and_fc_follows():
+    assert peer_layer_ids([8, 1, 14]) == [2, 9, 15]
+    w = torch.cat([torch.full((2, 2), float(i)) for i in (8, 1, 14)], dim=1)  # [D=2, 3·D] blocks tagged by id
+    assert torch.equal(ascending_fc(w, [8, 1, 14])[0], torch.tensor([1.0, 1, 8, 8, 14, 14]))
+
+
+@pytest.mark.parametrize("vocab_size", [40, None], ids=["draft-vocab", "full-vocab"])
+def test_dflash_speculators_parity(debug_target, tmp_path, monkeypatch, vocab_size):
+    model = _dflash(debug_target, draft_vocab_size=vocab_size)
+    out = write_peer_export(_export(tmp_path, debug_target, model, vocab_size), tmp_path / "peer", target=debug_target)
+    peer = _peer_model(speculators_dflash.DFlashDraftModel, out)
+
+    S, B, anchors = 24, model.config.block_size, torch.tensor([3, 9, 15])
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(1, S, len(LAYER_IDS) * debug_target.hidden_size, generator=g)
+    ids = torch.randint(0, debug_target.vocab_size, (1, S), generator=g)
+    with torch.no_grad():
+        ours = model(hidden, torch.ones(1, S, dtype=torch.bool), ids[:, anchors], anchors[None])  # [1, N, B-1, V_d]
+        monkeypatch.setattr(speculators_dflash.core, "select_anchors",
+                            lambda loss_mask, n, block: (anchors, torch.ones(n, dtype=torch.bool)))
+        _, logits, *_ = peer._backbone_forward(
+            _ascending_features(hidden), ids, torch.ones(1, S), torch.randn(1, S, debug_target.hidden_size),
+            torch.zeros(1, S, dtype=torch.long), max_anchors=len(anchors))  # logits [1, N·B, V_d]
+    theirs = logits.view(1, len(anchors), B, -1)[:, :, 1:]  # the anchor row drafts nothing
+    assert ours.shape == theirs.shape and ours.std() > 0.5
+    assert (ours - theirs).abs().max() <= TOLERANCE
+
+
+def test_speculators_config_and_provenance(debug_target, tmp_path):
+    model = _dflash(debug_target, draft_vocab_size=40)
+    export = _export(tmp_path, debug_target, model, 40)
+    out = write_peer_export(export, tmp_path / "peer", target=debug_target)
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash"
+    assert config["aux_hidden_state_layer_ids"] == [2, 4, 6]
+    assert config["block_size"] == 4 and config["draft_vocab_size"] == 40
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    layer = config["transformer_layer_config"]
+    for key in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                "rms_norm_eps", "rope_parameters", "max_position_embeddings", "vocab_size", "hidden_act", "model_type"):
+        assert layer[key] is not None, key
+    tensors = load_file(out / "model.safetensors")
+    ids = model.draft_vocab
+    assert torch.equal(tensors["d2t"] + torch.arange(40), ids)
+    assert tensors["t2d"].dtype == torch.bool and torch.equal(tensors["t2d"].nonzero().flatten(), ids)
+    assert torch.equal(tensors["lm_head.weight"], debug_target.model.get_output_embeddings().weight[ids])
+    assert "embed_tokens.weight" not in tensors
+    provenance = json.loads((out / "specray_export.json").read_text())
+    source = json.loads((export / "export.json").read_text())
+    assert provenance["source_export"]["weights_sha256"] == source["weights_sha256"]
+    assert provenance["source_config"]["target_fingerprint"] == debug_target.target_fingerprint
+    assert provenance["weights_sha256"].startswith("sha256:")
+
+
+def test_refuses_block_key_bias(debug_target, tmp_path):
+    model = _dflash(debug_target)
+    with torch.no_grad():
+        model.layers[0].attn.block_key_bias.fill_(4.0)
+    with pytest.raises(PeerFormatError, match=r"drafter\.block_key_bias.*block_key_bias=0"):
+        write_peer_export(_export(tmp_path, debug_target, model), tmp_path / "peer", target=debug_target)
+    assert not (tmp_path / "peer").exists()
+
+
+def test_refuses_sliding_attention(debug_target, tmp_path):
+    model = _dflash(debug_target, attention="sliding", sliding_window=8)
+    with pytest.raises(PeerFormatError, match=r"drafter\.attention=sliding.*attention=full"):
+        write_peer_export(_export(tmp_path, debug_target, model), tmp_path / "peer", target=debug_target)
+
+
+def test_refuses_another_target(debug_target, tmp_path):
+    export = _export(tmp_path, debug_target, _dflash(debug_target))
+    with pytest.raises(InvalidDrafterError, match="target_fingerprint"):
+        write_peer_export(export, tmp_path / "peer", target="debug:1")
+
+
+def test_cli_export_speculators(debug_target, tmp_path, capsys):
+    export = _export(tmp_path, debug_target, _dflash(debug_target))  # export.json names the target: debug
+    assert main(["export", str(export), "--format", "speculators"]) == 0
+    out = tmp_path / "export-speculators"
+    assert json.loads((out / "config.json").read_text())["speculators_model_type"] == "dflash"
+    biased = _export(tmp_path / "biased", debug_target, _dflash(debug_target, block_key_bias=4.0))
+    assert main(["export", str(biased), "--format", "speculators"]) == 2
+    assert "drafter.block_key_bias" in capsys.readouterr().err
