@@ -1,22 +1,24 @@
-"""The trainer gang: DP ranks on Ray Train that train the existing TrainerCore, exactly once.
+"""The trainer gang: DP ranks on Ray Train that train the shared training core, exactly once.
 
-    result = run_trainer_gang(cfg, num_workers=2, storage_path="runs/x/ray-train", broker=broker)
+    result = run_trainer_gang(spec, num_workers=2, storage_path="runs/x/ray-train", broker=broker)
     export_checkpoint(result.checkpoint, "runs/x/export")
 
-Each Ray Train worker (``TorchTrainer``, gloo, 1 CPU) builds its rank with
-``pipeline/train_job.py::build_rank`` — the same drafter, strategy and ``TrainerCore`` as
-``specray train`` — and runs one of two sources.
+``spec`` is a ``trainer/assembly.py::TrainSpec`` (``TrainJobConfig.train_spec()``). Each Ray
+Train worker (``TorchTrainer``, gloo, 1 CPU) builds its rank with ``build_rank`` and trains
+through ``trainer/loop.py::TrainRun`` — the same drafter, strategy, step, metrics records and
+checkpoint save/resume as ``specray train``; this module adds only the ledger and Ray's
+protocol — and runs one of two sources.
 
-**Online** (``broker=`` a ``SampleBroker``; ``cfg.data.manifest`` null). Per optimizer step ``s``:
+**Online** (``broker=`` a ``SampleBroker``; ``spec.manifest`` None). Per optimizer step ``s``:
 
 1. every rank asks the broker for window ``(attempt, s)`` and gets the same ``Q`` refs;
 2. rank 0 appends ``dispatched`` (the refs) to the ledger (``trainer/ledger.py``);
 3. ``split_window`` deals the refs over the ``DP × accumulation`` micro-batch slots; rank
-   ``r`` trains slots ``r·A … r·A + A − 1`` (``TrainerCore.train_step``, DDP over gloo);
+   ``r`` trains slots ``r·A … r·A + A − 1`` (``TrainRun.train_step``, DDP over gloo);
 4. the sample ids each rank trained are all-gathered and rank 0 appends one ``trained`` txn.
 
-Every ``trainer.checkpoint_every`` steps and at the end of the stream rank 0 writes the
-``trainer/checkpoint.py`` step directory (with the ledger position in its ``extra``) and every
+Every ``spec.checkpoint_every`` steps and at the end of the stream rank 0 writes the
+``trainer/checkpoint.py`` step directory (``TrainRun.save``, with the ledger position in its ``extra``) and every
 rank calls ``ray.train.report``, which persists it as ``<storage>/<name>/checkpoint-aAAA-sSSSSSSSS``.
 Only once that returns does rank 0 append ``checkpointed``, delete the features of the windows
 trained since the previous checkpoint, append ``deleted`` and ``release`` their capacity.
@@ -45,7 +47,7 @@ in their place; a rank that cannot read one reports it (``report_lost``) and wai
 checksum), then trains the window as dispatched. Without such a producer it raises
 ``FeaturesLostError``: training on around a hole would break exactly-once.
 
-**Offline** (``cfg.data.manifest``, no broker). Each rank reads its slice with
+**Offline** (``spec.manifest``, no broker). Each rank reads its slice with
 ``FeatureLoader`` for as many epochs as ``optim.total_steps`` needs; its order is a pure
 function of (seed, epoch, position) and its state rides in the checkpoint, so resuming needs
 no dispatch log (and a different world size resumes at the same global position). Nothing
@@ -84,11 +86,11 @@ from ray.train.torch import TorchTrainer
 from specray.actors.broker import Window
 from specray.capture.contract import CaptureContract
 from specray.capture.store import FeatureNotFoundError, SampleRef, open_store, read_manifest
-from specray.pipeline.config import TrainJobConfig
-from specray.pipeline.train_job import build_rank, prepare_draft_vocab
-from specray.trainer.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
+from specray.trainer.assembly import (TrainSpec, build_rank, check_capture_fits, check_manifest_fits,
+                                      count_draft_vocab, feature_loader)
 from specray.trainer.ledger import Ledger, LedgerState, recovery_plan
-from specray.trainer.loader import FeatureLoader, TrainBatch, collate
+from specray.trainer.loader import TrainBatch, collate
+from specray.trainer.loop import TrainRun
 
 FAULT_POINTS = ("mid_window", "after_step_before_checkpoint", "during_delete")
 CRASH_EXIT_CODE = 87
@@ -197,38 +199,15 @@ class _MidWindowCrash:
         return self._strategy.generator(step, micro_index)
 
 
-class _Metrics:
-    """Step results summed between two records (the fields of trainer/loop.py's records)."""
-
-    def __init__(self):
-        self.steps, self.loss, self.grad_norm, self.tokens, self.wall, self.lr = 0, 0.0, 0.0, 0, 0.0, 0.0
-        self.sums: dict[str, torch.Tensor] = {}
-
-    def add(self, result, tokens: int, wall: float) -> None:
-        self.steps += 1
-        self.loss += result.loss
-        self.grad_norm += result.grad_norm
-        self.lr = result.lr
-        self.tokens += tokens
-        self.wall += wall
-        for key, value in result.sums.items():
-            self.sums[key] = self.sums.get(key, 0) + value
-
-    def record(self, step: int, attempt: int, tokens_seen: int, strategy) -> dict:
-        return {"step": step, "attempt": attempt, "loss": self.loss / self.steps, "lr": self.lr,
-                "grad_norm": self.grad_norm / self.steps, "tokens": tokens_seen,
-                "tokens_per_s": self.tokens / self.wall, **strategy.summarize(self.sums)}
-
-
 class _GangRank:
     """One worker of the gang: build, resume, train, checkpoint (see the module docstring)."""
 
     def __init__(self, spec: dict, rank: int, world_size: int):
-        cfg: TrainJobConfig = spec["cfg"]
-        self.cfg, self.spec, self.rank, self.world_size = cfg, spec, rank, world_size
+        train: TrainSpec = spec["train"]
+        self.train, self.spec, self.rank, self.world_size = train, spec, rank, world_size
         self.online = spec["online"]
-        self.accumulation = cfg.optim.accumulation_steps
-        self.quantum = world_size * cfg.optim.micro_batch_size * self.accumulation
+        self.accumulation = train.optim.accumulation_steps
+        self.quantum = world_size * train.micro_batch_size * self.accumulation
         self.fault: FaultPlan | None = spec["fault"]
         manifest = None
         if self.online:
@@ -236,30 +215,29 @@ class _GangRank:
             self.store = open_store(spec["store_uri"], endpoint_url=spec["endpoint_url"])
             provenance = {"stream": spec["store_uri"], "ledger": spec["ledger_uri"]}
         else:
-            manifest = read_manifest(cfg.data.manifest, endpoint_url=cfg.data.endpoint_url)
+            manifest = read_manifest(train.manifest, endpoint_url=train.endpoint_url)
             contract = manifest.contract
-            self.store = open_store(manifest.store_uri, endpoint_url=cfg.data.endpoint_url)
-            provenance = {"manifest": cfg.data.manifest, "samples": len(manifest.refs)}
-        parts = build_rank(cfg, contract, rank=rank, world_size=world_size, provenance=provenance,
+            self.store = open_store(manifest.store_uri, endpoint_url=train.endpoint_url)
+            provenance = {"manifest": train.manifest, "samples": len(manifest.refs)}
+        parts = build_rank(train, contract, rank=rank, world_size=world_size, provenance=provenance,
                            draft_vocab=spec.get("draft_vocab"))
         if self.online:  # FeatureLoader checks a manifest's contract itself
             parts.expected.check_compatible(contract, what="the stream's features")
-        self.core, self.extra = parts.core, parts.extra
+        self.core = parts.core
         if self.fault is not None and self.fault.point == "mid_window":
             self.core.strategy = _MidWindowCrash(self.core.strategy, self.fault, rank, self.accumulation)
-        self.loader = None if self.online else FeatureLoader(
-            manifest, self.store, micro_batch_size=cfg.optim.micro_batch_size, seed=cfg.optim.seed, rank=rank,
-            world_size=world_size, expected=parts.expected, max_length=cfg.data.max_length,
-        )
+        self.run_state = TrainRun(self.core, log_every=train.log_every, extra=parts.extra)
+        self.loader = None if self.online else feature_loader(train, manifest, self.store, parts.expected,
+                                                               rank=rank, world_size=world_size)
         self.ledger = Ledger(spec["ledger_uri"]) if rank == 0 else None
         self.attempt = -1
-        self.step = 0
-        self.tokens_seen = 0
-        self.records: list[dict] = []
-        self.metrics = _Metrics()
         self.trained_windows: list[Window] = []  # rank 0: trained since the last checkpoint, features not yet deleted
         self.last_checkpoint: int | None = None
         self.location: str | None = None
+
+    @property
+    def step(self) -> int:
+        return self.run_state.step
 
     # -- collectives -----------------------------------------------------------------------
 
@@ -298,6 +276,7 @@ class _GangRank:
         decision = self._plan_attempt(ray_checkpoint) if self.rank == 0 else None
         decision = self._broadcast(decision)
         self.attempt = decision["attempt"]
+        self.run_state.record_fields = {"attempt": self.attempt}
         if decision["location"] is not None:
             self._load(decision["location"])
 
@@ -352,16 +331,10 @@ class _GangRank:
         filesystem = storage_filesystem(location)
         checkpoint = ray.train.Checkpoint(_ray_path(location, filesystem), filesystem=filesystem)
         with checkpoint.as_directory() as directory:
-            ckpt = load_checkpoint(directory)
-        self.core.model.load_state_dict(ckpt.model)
-        self.core.load_state_dict({"optimizer": ckpt.optimizer, "scheduler": ckpt.scheduler})
-        restore_rng_state(ckpt.rng)
+            loader_state = self.run_state.load(directory)
         if self.loader is not None:
-            self.loader.load_state_dict(ckpt.loader)
-        self.step = ckpt.step
-        self.tokens_seen = ckpt.extra.get("tokens_seen", 0)
-        self.records = [r for r in ckpt.extra.get("metrics_history", []) if r["step"] <= ckpt.step]
-        self.last_checkpoint, self.location = ckpt.step, location
+            self.loader.load_state_dict(loader_state)
+        self.last_checkpoint, self.location = self.step, location
 
     # -- training --------------------------------------------------------------------------
 
@@ -377,38 +350,22 @@ class _GangRank:
             self.loader.close()
         if self.rank != 0:
             return None
-        return {"step": self.step, "checkpoint": self.location, "metrics": self.records, "attempt": self.attempt}
-
-    def _train_step(self, batches: list[TrainBatch]) -> None:
-        start = time.perf_counter()
-        result = self.core.train_step(batches, self.step)
-        tokens = sum(b.num_tokens for b in batches)
-        if self.world_size > 1:
-            count = torch.tensor([tokens], dtype=torch.int64)
-            dist.all_reduce(count)
-            tokens = int(count)
-        self.step += 1
-        self.tokens_seen += tokens
-        self.metrics.add(result, tokens, time.perf_counter() - start)
-        if self.step % self.cfg.trainer.log_every == 0:
-            self._flush_metrics()
-
-    def _flush_metrics(self) -> None:
-        if self.metrics.steps:
-            self.records.append(self.metrics.record(self.step, self.attempt, self.tokens_seen, self.core.strategy))
-            self.metrics = _Metrics()
+        return {"step": self.step, "checkpoint": self.location, "metrics": self.run_state.records,
+                "attempt": self.attempt}
 
     def _train_offline(self) -> None:
-        while self.step < self.cfg.optim.total_steps:
+        while self.step < self.train.optim.total_steps:
             self._remaining()
-            self._train_step([self.loader.next_batch() for _ in range(self.accumulation)])
+            start = time.perf_counter()
+            batches = [self.loader.next_batch() for _ in range(self.accumulation)]
+            self.run_state.train_step(batches, data_wait=time.perf_counter() - start)
             self._fault("after_step_before_checkpoint")
-            if self.step % self.cfg.trainer.checkpoint_every == 0:
+            if self.step % self.train.checkpoint_every == 0:
                 self._checkpoint()
 
     def _train_online(self) -> None:
         broker = self.spec["broker"]
-        while self.step < self.cfg.optim.total_steps:
+        while self.step < self.train.optim.total_steps:
             timeout = self._remaining()
             request = broker.next_window.remote(self.attempt, self.step + 1, timeout=timeout)
             window: Window | None = ray.get(request, timeout=None if timeout is None else timeout + 30)
@@ -418,17 +375,18 @@ class _GangRank:
                 self.ledger.dispatched(self.attempt, window.step, window.window_id, window.refs)
             slots = split_window(window.refs, self.world_size * self.accumulation)
             mine = slots[self.rank * self.accumulation:(self.rank + 1) * self.accumulation]
+            start = time.perf_counter()
             batches = [self._batch(slot, window) for slot in mine]
-            self._train_step(batches)
+            self.run_state.train_step(batches, data_wait=time.perf_counter() - start)
             acks = self._gather([sid for b in batches for sid in b.sample_ids])
             if self.rank == 0:
                 self._ack(window, [sid for rank_ids in acks for sid in rank_ids])
             self._fault("after_step_before_checkpoint")
-            if self.step % self.cfg.trainer.checkpoint_every == 0:
+            if self.step % self.train.checkpoint_every == 0:
                 self._checkpoint()
 
     def _batch(self, slot: list[SampleRef], window: Window) -> TrainBatch:
-        max_length = self.cfg.data.max_length
+        max_length = self.train.max_length
         if slot:
             return collate(self._read(slot), [r.sample_id for r in slot], max_length=max_length)
         filler = collate(self._read([window.refs[0]]), [], max_length=max_length)
@@ -473,7 +431,7 @@ class _GangRank:
     # -- checkpoint and deletion -----------------------------------------------------------
 
     def _checkpoint(self) -> None:
-        self._flush_metrics()
+        self.run_state.flush()
         name = checkpoint_name(self.attempt, self.step)
         location = f"{self.spec['run_uri']}/{name}"
         directory = tempfile.mkdtemp(prefix="specray-ckpt-") if self.rank == 0 else None
@@ -482,11 +440,7 @@ class _GangRank:
             if self.rank == 0:
                 position = self.loader.state_dict() if self.loader is not None else {}
                 ledger = {"uri": self.spec["ledger_uri"], "attempt": self.attempt, "step": self.step}
-                extra = dict(self.extra, tokens_seen=self.tokens_seen, metrics_history=self.records,
-                             last_metrics=self.records[-1] if self.records else None, ledger=ledger)
-                save_checkpoint(directory, self.step, model=self.core.model.state_dict(),
-                                optimizer=self.core.optimizer.state_dict(), scheduler=self.core.scheduler.state_dict(),
-                                loader=position, rng=capture_rng_state(), extra=extra, keep_last=None)
+                self.run_state.save(directory, loader_state=position, keep_last=None, ledger=ledger)
                 checkpoint = ray.train.Checkpoint.from_directory(directory)
             ray.train.report({"step": self.step, "attempt": self.attempt}, checkpoint=checkpoint, checkpoint_dir_name=name)
         finally:
@@ -547,23 +501,19 @@ def _absolute(path_or_uri: str) -> str:
     return path_or_uri if "://" in path_or_uri else str(Path(path_or_uri).resolve())
 
 
-def _with_absolute_paths(cfg: TrainJobConfig) -> TrainJobConfig:
-    data = cfg.data.model_copy(update={"manifest": _absolute(cfg.data.manifest) if cfg.data.manifest else None})
-    output = cfg.output.model_copy(update={"run_dir": str(cfg.run_dir.resolve())})
-    return cfg.model_copy(update={"data": data, "output": output})
-
-
-def _check_stream(broker, cfg: TrainJobConfig, quantum: int) -> dict:
+def _check_stream(broker, spec: TrainSpec, quantum: int) -> dict:
     stream = ray.get(broker.describe.remote(), timeout=60)
     if not stream["contract"] or not stream["store_uri"]:
         raise ValueError("the SampleBroker was started without contract= and store_uri=; the gang needs both to "
                          "read the stream (start_sample_broker(..., contract=contract, store_uri=uri))")
-    need = quantum * cfg.trainer.checkpoint_every
+    check_capture_fits(spec.algorithm, CaptureContract.from_json(stream["contract"]).algorithm,
+                       field="drafter.algorithm", where=" in the SampleBroker's stream")
+    need = quantum * spec.checkpoint_every
     if stream["max_inflight"] < need:
         raise ValueError(
             f"the broker holds at most max_inflight={stream['max_inflight']} features, but features are deleted only "
             f"after a checkpoint covers them, so the gang needs Q × trainer.checkpoint_every = {quantum} × "
-            f"{cfg.trainer.checkpoint_every} = {need} in flight. Raise max_inflight to >= {need} or lower "
+            f"{spec.checkpoint_every} = {need} in flight. Raise max_inflight to >= {need} or lower "
             "trainer.checkpoint_every"
         )
     return stream
@@ -592,62 +542,63 @@ def _fit(trainer: TorchTrainer, timeout_s: float | None):
 
 
 def run_trainer_gang(
-    cfg: TrainJobConfig, *, num_workers: int, storage_path: str, ledger_uri: str | None = None, broker=None,
+    spec: TrainSpec, *, num_workers: int, storage_path: str, ledger_uri: str | None = None, broker=None,
     resume_from: str | None = None, max_failures: int = 1, fault: FaultPlan | None = None,
     timeout_s: float | None = None, cpus_per_worker: float = 1.0,
 ) -> GangResult:
-    """Train ``cfg`` with ``num_workers`` DP ranks; online from ``broker``, else offline from ``cfg.data.manifest``.
+    """Train ``spec`` with ``num_workers`` DP ranks; online from ``broker``, else offline from ``spec.manifest``.
 
-    The Ray Train run is ``<storage_path>/<cfg.name>``: rerunning with the same storage and
+    The Ray Train run is ``<storage_path>/<spec.name>``: rerunning with the same storage and
     name resumes it (from its newest checkpoint, with any ``num_workers``). ``ledger_uri``
-    defaults to ``<storage_path>/<cfg.name>/ledger``; an online stream's ledger must stay
+    defaults to ``<storage_path>/<spec.name>/ledger``; an online stream's ledger must stay
     the same across runs that continue one model. ``max_failures`` worker-group restarts are
     allowed before ``GangFailedError``. Each worker reserves ``cpus_per_worker`` logical CPUs,
-    and Ray sizes its torch thread pool to match.
+    and Ray sizes its torch thread pool to match. Features captured for another algorithm
+    than ``spec.drafter``'s are refused before the gang starts.
     """
     if num_workers < 1:
         raise ValueError(f"num_workers must be >= 1, got {num_workers}")
     online = broker is not None
-    if online == (cfg.data.manifest is not None):
+    if online == (spec.manifest is not None):
         raise ValueError("give exactly one feature source: broker= for online training (with data.manifest null), "
-                         f"or data.manifest for offline training; got broker={broker!r}, manifest={cfg.data.manifest!r}")
-    quantum = num_workers * cfg.optim.micro_batch_size * cfg.optim.accumulation_steps
-    if fault is not None and fault.point == "mid_window" and fault.after >= cfg.optim.accumulation_steps:
+                         f"or data.manifest for offline training; got broker={broker!r}, manifest={spec.manifest!r}")
+    quantum = num_workers * spec.micro_batch_size * spec.optim.accumulation_steps
+    if fault is not None and fault.point == "mid_window" and fault.after >= spec.optim.accumulation_steps:
         raise ValueError(f"a mid_window fault crashes before micro-batch `after` of a step; use 0 <= after < "
-                         f"optim.accumulation_steps = {cfg.optim.accumulation_steps}")
-    cfg = _with_absolute_paths(cfg)
+                         f"optim.accumulation_steps = {spec.optim.accumulation_steps}")
+    spec = dataclasses.replace(spec, run_dir=_absolute(spec.run_dir),
+                               manifest=_absolute(spec.manifest) if spec.manifest else None)
     storage_path = _absolute(storage_path)
-    run_uri = f"{storage_path.rstrip('/')}/{cfg.name}"
+    run_uri = f"{storage_path.rstrip('/')}/{spec.name}"
     ledger_uri = _absolute(ledger_uri) if ledger_uri else f"{run_uri}/ledger"
-    spec = {"cfg": cfg, "online": online, "run_uri": run_uri, "ledger_uri": ledger_uri, "fault": fault,
-            "resume_from": _absolute(resume_from) if resume_from else None,
-            "deadline": time.time() + timeout_s if timeout_s is not None else None}
+    job = {"train": spec, "online": online, "run_uri": run_uri, "ledger_uri": ledger_uri, "fault": fault,
+           "resume_from": _absolute(resume_from) if resume_from else None,
+           "deadline": time.time() + timeout_s if timeout_s is not None else None}
     if online:
-        stream = _check_stream(broker, cfg, quantum)
-        spec.update(broker=broker, contract=stream["contract"], store_uri=stream["store_uri"],
-                    endpoint_url=stream["endpoint_url"])
-    elif cfg.drafter.draft_vocab_size is not None:  # counted once here, not by every rank
-        manifest = read_manifest(cfg.data.manifest, endpoint_url=cfg.data.endpoint_url)
-        spec["draft_vocab"] = prepare_draft_vocab(cfg, manifest,
-                                                  open_store(manifest.store_uri, endpoint_url=cfg.data.endpoint_url))
+        stream = _check_stream(broker, spec, quantum)
+        job.update(broker=broker, contract=stream["contract"], store_uri=stream["store_uri"],
+                   endpoint_url=stream["endpoint_url"])
+    else:
+        check_manifest_fits(spec, read_manifest(spec.manifest, endpoint_url=spec.endpoint_url).contract)
+        job["draft_vocab"] = count_draft_vocab(spec)  # counted once here, not by every rank
     filesystem = storage_filesystem(storage_path)
     trainer = TorchTrainer(
-        _gang_worker, train_loop_config=spec,
+        _gang_worker, train_loop_config=job,
         scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=False, resources_per_worker={"CPU": cpus_per_worker}),
-        run_config=RunConfig(name=cfg.name, storage_path=_ray_path(storage_path, filesystem),
+        run_config=RunConfig(name=spec.name, storage_path=_ray_path(storage_path, filesystem),
                              storage_filesystem=filesystem,
                              failure_config=FailureConfig(max_failures=max_failures),
-                             checkpoint_config=CheckpointConfig(num_to_keep=cfg.trainer.keep_last)),
+                             checkpoint_config=CheckpointConfig(num_to_keep=spec.keep_last)),
     )
     try:
         result = _fit(trainer, timeout_s)
     except ray.train.TrainingFailedError as e:
-        if spec["deadline"] is not None and time.time() > spec["deadline"]:
+        if job["deadline"] is not None and time.time() > job["deadline"]:
             raise TimeoutError(f"the trainer gang ran past timeout_s={timeout_s}; resume it by rerunning with the same "
                                f"storage_path and name") from e
         raise GangFailedError(
             f"the trainer gang failed (max_failures={max_failures} restarts used): {e}. Its checkpoints in {run_uri} "
-            f"and the ledger {ledger_uri} are intact: rerun with the same storage_path and cfg.name to resume"
+            f"and the ledger {ledger_uri} are intact: rerun with the same storage_path and name to resume"
         ) from e
     out = result.return_value
     attempts = [a for a in Ledger(ledger_uri).replay().attempts.values() if a["run"] == run_uri]

@@ -31,7 +31,7 @@ from torch import nn
 SMALL_M = 64  # inference products with at most this many rows take the (W @ xᵀ)ᵀ layout
 
 
-def weight_major_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None, *,
+def weight_major_linear(weight: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None = None, *,
                         row_major: bool = True) -> torch.Tensor:
     """``x @ weightᵀ (+ residual)``: x [M, in] row-major, weight [out, in] -> [M, out].
 
@@ -58,7 +58,7 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if flat.shape[0] > SMALL_M or torch.is_grad_enabled() or flat.device.type != "cpu":
         return F.linear(x, weight, bias)
     rows = flat if len(flat) > 1 else flat.expand(2, -1).contiguous()
-    out = weight_major_linear(rows, weight, row_major=False)[: len(flat)]
+    out = weight_major_linear(weight, rows, row_major=False)[: len(flat)]
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], out.shape[-1])

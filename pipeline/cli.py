@@ -3,7 +3,7 @@
     specray capture -c manifests/capture-quickstart.yaml [section.field=value …]
     specray train -c manifests/train-dflash-quickstart.yaml [section.field=value …]
     specray export runs/train-dflash-quickstart [--out DIR] [--format speculators [--target NAME]]
-    specray evaluate EXPORT_DIR --manifest runs/<held-out capture>/manifest.parquet
+    specray evaluate EXPORT_DIR --manifest runs/<held-out capture>/manifest.parquet [objective.field=value …]
     specray generate --drafter EXPORT_DIR --prompt "…" [--max-tokens 128] [--temperature 0]
     specray regenerate --out data/self.jsonl --num 256   (self-distilled training conversations)
     specray pipeline run manifests/quickstart.yaml [section.field=value …]   (capture → … → bench on Ray)
@@ -71,12 +71,16 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     import json
 
+    from specray.pipeline.config import apply_overrides
     from specray.pipeline.train_job import evaluate_export
 
+    overrides = apply_overrides({}, args.overrides)
+    if set(overrides) - {"objective"}:
+        raise ConfigError(f"evaluate takes objective.field=value overrides only, got {sorted(overrides)}")
     result = evaluate_export(args.export, args.manifest, target_name=args.target, endpoint_url=args.endpoint_url,
-                             num_anchors=args.num_anchors)
+                             objective=overrides.get("objective"))
     acc = " ".join(f"{a:.3f}" for a in result["acc_by_pos"])
-    print(f"samples    {result['samples']} ({result['blocks']} blocks)\nloss       {result['loss']:.4f}\n"
+    print(f"samples    {result['samples']}\nloss       {result['loss']:.4f}\n"
           f"acc by pos {acc}\ntau_tf     {result['tau_tf']:.3f}\ncoverage   {result['coverage']:.3f} "
           "(labels inside the drafter's vocabulary)")
     if args.json:
@@ -273,7 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("export", help="an exported drafter directory")
     evaluate.add_argument("--manifest", required=True, help="features to evaluate on (use a held-out capture)")
     evaluate.add_argument("--target", default=DEFAULT_TARGET, help="the target the export was trained for")
-    evaluate.add_argument("--num-anchors", type=int, default=64, help="blocks per sample")
+    evaluate.add_argument("overrides", nargs="*", metavar="objective.field=value",
+                          help="the strategy's objective for evaluation (default: its evaluation settings, "
+                               "e.g. DFlash samples 64 anchors per sample)")
     evaluate.add_argument("--endpoint-url", default=None)
     evaluate.add_argument("--json", help="also write the result here")
     evaluate.set_defaults(fn=_cmd_evaluate)

@@ -9,14 +9,25 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from specray.capture.contract import CONTRACT_SPECS, STORAGE_DTYPES
 from specray.capture.data import DATASETS
 from specray.capture.target import DEFAULT_TARGET
+from specray.drafters import DEFAULT_ALGORITHM, DRAFTERS, get_drafter
+from specray.trainer.assembly import TrainSpec, check_capture_fits
+from specray.trainer.core import OptimSettings
+from specray.trainer.strategies import get_strategy
+
+
+def _absolute(path_or_uri: str) -> str:
+    """A local path made absolute; a URI (``s3://…``) as it is."""
+    return path_or_uri if "://" in path_or_uri else str(Path(path_or_uri).resolve())
 
 
 class ConfigError(ValueError):
@@ -138,16 +149,49 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def _format_error(model: type[BaseModel], err: dict) -> str:
+def _algorithm_of(section_data: Any) -> str:
+    """The drafter algorithm a section's input names (``drafter.algorithm``, default dflash)."""
+    drafter = section_data.get("drafter") if isinstance(section_data, dict) else None
+    if isinstance(drafter, BaseModel):
+        return drafter.algorithm
+    algorithm = drafter.get("algorithm", DEFAULT_ALGORITHM) if isinstance(drafter, dict) else DEFAULT_ALGORITHM
+    return algorithm if algorithm in DRAFTERS else DEFAULT_ALGORITHM
+
+
+def _field_model(section: Any, part: str, section_data: Any) -> Any:
+    """The model class of field ``part`` of ``section`` for this input: the drafter union's
+    variant of its algorithm, the objective of that algorithm's strategy, else the annotation."""
+    if not (isinstance(section, type) and issubclass(section, BaseModel)) or part not in section.model_fields:
+        return section
+    if {"drafter", "objective"} <= set(section.model_fields) and part in ("drafter", "objective"):
+        algorithm = _algorithm_of(section_data)
+        return get_drafter(algorithm).section if part == "drafter" else get_strategy(algorithm).objective
+    return section.model_fields[part].annotation
+
+
+def _unknown_key_fix(section: Any, loc: tuple) -> str:
+    """The fix for an unknown key at ``loc`` of ``section``: a close match, or the drafter section
+    it belongs to when it is another algorithm's field, and the valid keys."""
+    valid = sorted(section.model_fields) if isinstance(section, type) and issubclass(section, BaseModel) else []
+    key = str(loc[-1])
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    owners = [name for name, spec in DRAFTERS.items() if spec.section is not section and key in spec.section.model_fields]
+    if owners and section in {spec.section for spec in DRAFTERS.values()}:
+        algorithm, where = section.model_fields["algorithm"].default, ".".join(str(p) for p in loc[:-1])
+        hint = (f"{key!r} belongs to the {'/'.join(owners)} drafter section, not {algorithm}'s: drop it, or give the "
+                f"whole section, e.g. {where}={{algorithm: {algorithm}}}; ")
+    return f"{hint}valid keys here are {valid}"
+
+
+def _format_error(model: type[BaseModel], err: dict, data: dict) -> str:
     loc = ".".join(str(p) for p in err["loc"])
     if err["type"] == "extra_forbidden":
-        section = model
+        section, node = model, data
         for part in err["loc"][:-1]:
-            section = section.model_fields[part].annotation if part in section.model_fields else section
-        valid = sorted(section.model_fields) if isinstance(section, type) and issubclass(section, BaseModel) else []
-        close = difflib.get_close_matches(str(err["loc"][-1]), valid, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        return f"{loc}: unknown key. Fix: {hint}valid keys here are {valid}"
+            section = _field_model(section, part, node)
+            node = node.get(part) if isinstance(node, dict) else None
+        return f"{loc}: unknown key. Fix: {_unknown_key_fix(section, err['loc'])}"
     if err["type"] == "missing":
         return f"{loc}: required and missing. Fix: add it to the YAML or pass {loc}=VALUE"
     message = err["msg"].removeprefix("Value error, ")
@@ -171,7 +215,7 @@ def load_config(model: type[BaseModel], path: str | Path | None = None, override
         return model.model_validate(data)
     except ValidationError as e:
         where = f" in {path}" if path else ""
-        lines = [_format_error(model, err) for err in e.errors()]
+        lines = [_format_error(model, err, data) for err in e.errors()]
         raise ConfigError(f"invalid config{where}:\n  " + "\n  ".join(lines)) from None
 
 
@@ -187,35 +231,44 @@ class TrainDataConfig(Section):
     max_length: int | None = Field(None, gt=0, description="cut samples to this many tokens (None = as captured)")
 
 
-class DrafterSection(Section):
-    algorithm: str = Field("dflash", description="drafter to train; must match the manifest's capture contract")
-    num_layers: int = Field(1, gt=0, description="draft decoder layers")
-    num_heads: int | None = Field(None, gt=0, description="attention heads (None = the target's)")
-    num_kv_heads: int | None = Field(None, gt=0, description="K/V heads (None = the target's)")
-    head_dim: int | None = Field(None, gt=0, description="per-head dim (None = the target's)")
-    intermediate_size: int | None = Field(None, gt=0, description="MLP width (None = the target's)")
-    block_size: int = Field(8, description="B: anchor + B-1 draft tokens per block (>= 2)")
-    attention: Literal["full", "sliding"] = Field("full", description="full: bidirectional in block; sliding: causal + window")
-    sliding_window: int | None = Field(None, gt=0, description="context positions visible with attention=sliding")
-    mask_token_id: int | None = Field(None, ge=0, description="MASK token (None = tokenizer's mask, else unk, else 0)")
-    init_from: str | None = Field(None, description="an export directory to start from (fine-tuning, e.g. on "
-                                                    "self-distilled data); its architecture must equal this section's")
-    draft_vocab_size: int | None = Field(None, gt=0, description="draft over the V_d most frequent supervised tokens "
-                                                                 "of the training manifest (EAGLE-3's d2t; None = the "
-                                                                 "target's whole vocabulary); with init_from, the "
-                                                                 "export's vocabulary if it has one of this size")
+DrafterSection = Annotated[Union[tuple(spec.section for spec in DRAFTERS.values())], Field(discriminator="algorithm")]
+"""The manifest's ``drafter`` section: the registered drafters' sections (``drafters/<a>.py``),
+discriminated by ``algorithm`` (default dflash)."""
 
-    @field_validator("block_size")
-    @classmethod
-    def _block(cls, value: int) -> int:
-        if value < 2:
-            raise ValueError("block_size must be >= 2 (one anchor + at least one draft token); DFlash uses 8-16")
+
+def _drafter_section(cls, value: Any) -> Any:
+    """Validate a ``drafter`` mapping as its algorithm's section; refuse an algorithm without a
+    registered drafter and train strategy, naming the implemented ones."""
+    if not isinstance(value, dict):
+        return value  # a section already, or a type error pydantic reports
+    value = {"algorithm": DEFAULT_ALGORITHM, **value}
+    try:
+        get_strategy(value["algorithm"])
+    except ValueError as e:
+        error = PydanticCustomError("algorithm_not_implemented", str(e).replace("{", "{{").replace("}", "}}"))
+        raise ValidationError.from_exception_data(
+            "drafter", [InitErrorDetails(type=error, loc=("algorithm",), input=value["algorithm"])]) from None
+    return get_drafter(value["algorithm"]).section.model_validate(value)
+
+
+def _objective_section(cls, value: Any, info: ValidationInfo) -> Any:
+    """Validate the ``objective`` section against the train strategy of the drafter's algorithm."""
+    drafter = info.data.get("drafter")
+    if drafter is None:  # the drafter section is invalid: its error is reported
         return value
+    objective = get_strategy(drafter.algorithm).objective
+    return value if isinstance(value, objective) else objective.model_validate(value)
 
 
-class ObjectiveSection(Section):
-    num_anchors: int = Field(16, gt=0, description="blocks sampled per sequence per step")
-    gamma: float = Field(4.0, gt=0, description="position-weight decay w_j = exp(-(j-1)/gamma)")
+def _drafter_field() -> Any:
+    return Field(default_factory=dict, validate_default=True,
+                 description="the drafter to train: `algorithm` and that algorithm's fields (drafters/<algorithm>.py)")
+
+
+def _objective_field() -> Any:
+    return Field(default_factory=dict, validate_default=True,
+                 description="the loss of the drafter's algorithm: its train strategy's fields "
+                             "(trainer/strategies/<algorithm>.py)")
 
 
 class OptimSection(Section):
@@ -249,11 +302,31 @@ class TrainJobConfig(JobConfig):
     name: str = Field("train", description="run name; the default run dir is runs/<name>")
     target: TargetConfig = TargetConfig()
     data: TrainDataConfig
-    drafter: DrafterSection = DrafterSection()
-    objective: ObjectiveSection = ObjectiveSection()
+    drafter: DrafterSection = _drafter_field()
+    objective: SerializeAsAny[BaseModel] = _objective_field()
     optim: OptimSection = OptimSection()
     trainer: TrainerSection = TrainerSection()
     output: TrainOutputSection = TrainOutputSection()
+
+    _drafter = field_validator("drafter", mode="before")(classmethod(_drafter_section))
+    _objective = field_validator("objective", mode="before")(classmethod(_objective_section))
+
+    def train_spec(self) -> TrainSpec:
+        """The run as ``trainer/assembly.py``'s plain spec, paths absolute (the gang's workers run elsewhere)."""
+        o, t = self.optim, self.trainer
+        return TrainSpec(
+            name=self.name, run_dir=str(self.run_dir.resolve()), target=self.target.name,
+            target_dtype=self.target.dtype, target_device=self.target.device,
+            drafter=self.drafter, objective=self.objective,
+            optim=OptimSettings(lr=o.lr, weight_decay=o.weight_decay, warmup_steps=o.warmup_steps,
+                                total_steps=o.total_steps, min_lr_ratio=o.min_lr_ratio, grad_clip=o.grad_clip,
+                                accumulation_steps=o.accumulation_steps, bf16=o.bf16),
+            micro_batch_size=o.micro_batch_size, seed=o.seed,
+            manifest=_absolute(self.data.manifest) if self.data.manifest else None,
+            endpoint_url=self.data.endpoint_url, max_length=self.data.max_length,
+            world_size=t.world_size, log_every=t.log_every, checkpoint_every=t.checkpoint_every,
+            keep_last=t.keep_last, config=self.model_dump(mode="json"),
+        )
 
 
 # -- specray pipeline run ---------------------------------------------------------------------
@@ -268,8 +341,8 @@ class RaySection(Section):
 
 
 class PipelineTrainSection(Section):
-    drafter: DrafterSection = DrafterSection()
-    objective: ObjectiveSection = ObjectiveSection()
+    drafter: DrafterSection = _drafter_field()
+    objective: SerializeAsAny[BaseModel] = _objective_field()
     optim: OptimSection = OptimSection()
     num_workers: int = Field(1, gt=0, description="trainer gang size (Ray Train workers = DP ranks)")
     cpus_per_worker: float = Field(1.0, gt=0, description="logical CPUs per worker (Ray sets its torch threads to match)")
@@ -277,6 +350,9 @@ class PipelineTrainSection(Section):
     log_every: int = Field(10, gt=0)
     checkpoint_every: int = Field(50, gt=0)
     storage: str | None = Field(None, description="Ray Train checkpoint storage: a path or s3://… (None = <run_dir>/ray-train)")
+
+    _drafter = field_validator("drafter", mode="before")(classmethod(_drafter_section))
+    _objective = field_validator("objective", mode="before")(classmethod(_objective_section))
 
 
 class OnlineSection(Section):
@@ -428,6 +504,7 @@ class PipelineConfig(JobConfig):
 
     @model_validator(mode="after")
     def _online_bound_holds_a_window(self) -> "PipelineConfig":
+        check_capture_fits(self.train.drafter.algorithm, self.capture.algorithm, field="train.drafter.algorithm")
         o, t = self.online, self.train
         window = t.num_workers * t.optim.micro_batch_size * t.optim.accumulation_steps
         need = window * t.checkpoint_every  # features are deleted only once a checkpoint covers them

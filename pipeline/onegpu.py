@@ -18,18 +18,21 @@ would train on the same data:
   CPU engine, which changes which answer is in the data, not how it is used;
 - **samples**: ``ChatRenderer`` (same template, truncation and loss mask as ``specray capture``);
 - **features**: ``decoder_layer_outputs`` (the hooks ``CaptureServer`` uses), rounded to bf16,
-  the DFlash contract's storage dtype, and kept on the device;
-- **training**: ``DFlashStrategy`` + ``TrainerCore`` (same objective, anchors, optimizer and
-  schedule). Several drafter variants train side by side on the same batches in the same run, so
-  their held-out accuracies compare like for like. ``train_seconds`` is a budget: the step time
-  is measured during warmup and ``total_steps`` set to fit it, so the cosine schedule completes;
+  the contracts' storage dtype, and kept on the device (contracts that also need the target's
+  final hidden state are refused);
+- **training**: the training core of ``specray train`` (``trainer/assembly.py`` builds each
+  drafter and its strategy from the registries, ``trainer/loop.py::TrainRun`` steps it: same
+  objective, draws, optimizer, schedule and metrics records). Several drafter variants train
+  side by side on the same batches in the same run, so their held-out accuracies compare like
+  for like. ``train_seconds`` is a budget: the step time is measured during warmup and
+  ``total_steps`` set to fit it, so the cosine schedule completes;
 - **draft vocabulary**: ``top_tokens`` over the supervised tokens of the training split.
 
 ``run`` writes to ``--out``: ``answers.jsonl`` (+ ``.gz``), one ``<variant>.safetensors`` per
 variant (bf16 weights plus the draft vocabulary, with the drafter config and a digest of the
 target's weights in the header) and ``summary.json`` (held-out per-position accuracy, timings).
 The weights travel as bf16 (half the bytes of an export) and ``export`` turns a variant file into
-a normal export (``drafters/format.py``), on any machine with the same target: it refuses a file
+a normal export (``trainer/export.py``, the export path of ``specray export``), on any machine with the same target: it refuses a file
 whose target digest differs from the local target's, since its drafter read another model's
 hidden states.
 """
@@ -45,34 +48,40 @@ import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from pydantic import ValidationError
 from safetensors.torch import save_file
 
-from specray.capture.contract import build_contract
+from specray.capture.contract import CaptureContract, build_contract
 from specray.capture.data import ChatRenderer, Conversation, RenderedSample, load_conversations
 from specray.capture.server import decoder_layer_outputs, pack_batches, pad_batch
 from specray.capture.target import DEFAULT_TARGET, Target, load_target
-from specray.drafters.dflash import DFlashConfig, DFlashDrafter
-from specray.drafters.format import save_drafter
-from specray.pipeline.config import DrafterSection
-from specray.pipeline.train_job import drafter_config
+from specray.drafters import DEFAULT_ALGORITHM, get_drafter
+from specray.drafters.common import DrafterSectionBase
+from specray.trainer.assembly import fresh_drafter
 from specray.trainer.core import OptimSettings, TrainerCore
+from specray.trainer.evaluate import evaluate_batches
+from specray.trainer.export import drafter_from_state, export_drafter
 from specray.trainer.loader import TrainBatch
-from specray.trainer.strategies.dflash import DFlashStrategy
+from specray.trainer.loop import TrainRun
+from specray.trainer.strategies import get_strategy
 from specray.trainer.vocab import top_tokens
 
 
 @dataclass(frozen=True)
 class Variant:
     """One drafter trained in the run: a name, the ``drafter`` section of ``specray train``
-    (any of its fields; sizes left unset are the target's; ``draft_vocab_size`` defaults to 8,192
-    here), the target layers it reads (None: the DFlash contract's default spread) and its lr."""
+    (``algorithm``, default dflash, and that algorithm's fields; sizes left unset are the
+    target's; ``draft_vocab_size`` defaults to 8,192 here), its ``objective`` (the algorithm's
+    strategy's fields, defaults otherwise), the target layers it reads (None: the contract's
+    default) and its lr."""
 
     name: str
-    drafter: DrafterSection
+    drafter: DrafterSectionBase
+    objective: Any
     layer_ids: tuple[int, ...] | None = None
     lr: float = 1e-3
 
@@ -80,18 +89,26 @@ class Variant:
     def parse(cls, data: dict) -> "Variant":
         data = dict(data)
         name, lr, layer_ids = data.pop("name", None), data.pop("lr", 1e-3), data.pop("layer_ids", None)
+        objective = data.pop("objective", {})
         if name is None or not str(name).replace("-", "").replace("_", "").isalnum():
             raise ValueError(f"variant name {name!r}: give one of letters, digits, '-' and '_' (it names a file)")
-        if data.get("algorithm", "dflash") != "dflash" or data.get("init_from"):
-            raise ValueError(f"variant {name!r}: only fresh DFlash drafters train here (no algorithm, no init_from)")
+        if data.get("init_from"):
+            raise ValueError(f"variant {name!r}: only fresh drafters train here (no init_from)")
         data.setdefault("draft_vocab_size", 8192)
         try:
-            drafter = DrafterSection(**data)
+            strategy = get_strategy(data.setdefault("algorithm", DEFAULT_ALGORITHM))
+        except ValueError as e:
+            raise ValueError(f"variant {name!r}: {e}") from None
+        section = get_drafter(data["algorithm"]).section
+        try:
+            drafter = section.model_validate(data)
+            settings = strategy.objective.model_validate(objective)
         except ValidationError as e:
             problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
-            raise ValueError(f"variant {name!r}: {problems} (a variant takes name, layer_ids, lr and the drafter "
-                             f"section's fields: {sorted(DrafterSection.model_fields)})") from None
-        return cls(str(name), drafter, None if layer_ids is None else tuple(layer_ids), float(lr))
+            raise ValueError(f"variant {name!r}: {problems} (a variant takes name, layer_ids, lr, objective "
+                             f"({sorted(strategy.objective.model_fields)}) and the drafter section's fields: "
+                             f"{sorted(section.model_fields)})") from None
+        return cls(str(name), drafter, settings, None if layer_ids is None else tuple(layer_ids), float(lr))
 
 
 @dataclass
@@ -219,12 +236,22 @@ def extract_features(target: Target, samples: list[RenderedSample], layer_ids: t
     return feats
 
 
-def variant_config(variant: Variant, target: Target) -> DFlashConfig:
-    """The drafter config ``specray train`` builds for this drafter section (``drafter_config``)."""
-    contract = build_contract("dflash", target_fingerprint=target.target_fingerprint,
+def variant_contract(algorithm: str, target: Target, layer_ids: tuple[int, ...] | None) -> CaptureContract:
+    """The contract a variant trains on (validates its layer ids); refused when it needs more
+    than the decoder-layer outputs this path keeps."""
+    contract = build_contract(algorithm, target_fingerprint=target.target_fingerprint,
                               template_fingerprint=target.template_fingerprint, num_target_layers=target.num_layers,
-                              hidden_size=target.hidden_size, layer_ids=variant.layer_ids)  # validates the ids
-    return drafter_config(variant.drafter, target, contract.layer_ids)
+                              hidden_size=target.hidden_size, layer_ids=layer_ids)
+    if contract.last_hidden:
+        raise ValueError(f"algorithm {algorithm!r} trains on the target's final hidden states too "
+                         "(last_hidden_states), which onegpu does not keep; train it with specray capture + train")
+    return contract
+
+
+def variant_config(variant: Variant, target: Target):
+    """The drafter config ``specray train`` builds for this drafter section."""
+    contract = variant_contract(variant.drafter.algorithm, target, variant.layer_ids)
+    return variant.drafter.drafter_config(target, contract.layer_ids)
 
 
 def run(args: argparse.Namespace, log=print) -> dict:
@@ -273,69 +300,19 @@ def run(args: argparse.Namespace, log=print) -> dict:
     log(f"features: {len(train)} train + {len(held)} held-out samples, {sum(feats.lengths)} tokens, "
         f"{int(counts.sum())} supervised, layers {layer_ids} ({t_feat - t_gen:.0f} s)")
 
-    strategy = DFlashStrategy(num_anchors=args.num_anchors, gamma=args.gamma, seed=args.seed)
-    cores: dict[str, TrainerCore] = {}
-    coverage: dict[str, float] = {}
-    for v in variants:
-        cfg = configs[v.name]
-        torch.manual_seed(args.seed)
-        model = strategy.build_model(cfg, embed_tokens=target.model.model.embed_tokens, lm_head=target.model.lm_head,
-                                     final_norm=target.model.model.norm).to(args.device)
-        if cfg.draft_vocab_size is not None:
-            vocab = top_tokens(counts, cfg.draft_vocab_size)
-            model.set_draft_vocab(vocab)
-            coverage[v.name] = float(counts[vocab].sum() / counts.sum())
-        settings = OptimSettings(lr=v.lr, warmup_steps=args.warmup_steps, total_steps=10**9, min_lr_ratio=0.1, grad_clip=1.0)
-        cores[v.name] = TrainerCore(model, strategy, cfg, settings)
-
-    rng = random.Random(args.seed)
-    order: list[int] = []
-    step, history = 0, []
-    t_train = time.perf_counter()
-    total = None
-    while total is None or step < total:
-        if not order:
-            order = train_idx[:]
-            rng.shuffle(order)
-        indices, order = order[: args.batch_size], order[args.batch_size:]
-        losses, batch = {}, feats.batch(indices)  # gathered once, each variant takes its layers' columns
-        for v in variants:
-            losses[v.name] = cores[v.name].train_step([feats.select(batch, configs[v.name].target_layer_ids)], step).loss
-        step += 1
-        if total is None and step == args.warmup_steps:
-            # the schedule's cosine starts after warmup: fix total_steps to the budget now
-            per_step = (time.perf_counter() - t_train) / step
-            budget = args.train_seconds
-            if args.deadline_seconds is not None:  # leave time to evaluate and save before the deadline
-                budget = min(budget, args.deadline_seconds - (time.perf_counter() - t0) - args.reserve_seconds
-                             + (time.perf_counter() - t_train))
-            total = max(step + 1, int(budget / per_step))
-            for core in cores.values():
-                core.settings = replace(core.settings, total_steps=total)
-            log(f"train: {per_step * 1000:.0f} ms/step for {len(variants)} variants -> {total} steps")
-        if step % args.log_every == 0 or step == total:
-            history.append({"step": step, **losses})
-            log(f"train: step {step}/{total}: " + ", ".join(f"{k} {x:.3f}" for k, x in losses.items()))
+    runs, coverage = build_runs(variants, configs, target, counts, args)
+    history, step, t_train = train_variants(runs, variants, configs, feats, train_idx, args, t0=t0, log=log)
     t_end = time.perf_counter()
 
     results = {}
     for v in variants:
-        core, cfg = cores[v.name], configs[v.name]
-        core.model.eval()
-        sums: dict[str, torch.Tensor] = {}
-        with torch.no_grad():
-            for start in range(0, len(held_idx), args.batch_size):
-                batch = feats.select(feats.batch(held_idx[start:start + args.batch_size]), cfg.target_layer_ids)
-                _, metric = strategy.forward_loss(core.model, cfg, batch, strategy.generator(0, 10**6 + start))
-                for name, value in metric.items():
-                    sums[name] = sums.get(name, 0) + value
-        summary = strategy.summarize(sums) if sums else {}
+        run, cfg = runs[v.name], configs[v.name]
+        batches = (feats.select(feats.batch(held_idx[start:start + args.batch_size]), cfg.target_layer_ids)
+                   for start in range(0, len(held_idx), args.batch_size))
+        summary = evaluate_batches(run.core.model, cfg, run.core.strategy, batches)
         results[v.name] = {"config": cfg.to_dict(), "heldout": summary, "coverage": coverage.get(v.name)}
-        state = {k: (t.to(torch.bfloat16) if t.is_floating_point() else t).detach().cpu().contiguous()
-                 for k, t in core.model.state_dict().items()}
-        save_file(state, out / f"{v.name}.safetensors",
-                  metadata={"config": json.dumps(cfg.to_dict()), "target_digest": digest, "target": args.target,
-                            "steps": str(step), "train_samples": str(len(train))})
+        save_variant(out / f"{v.name}.safetensors", run, v, cfg, digest=digest, target_name=args.target,
+                     steps=step, train_samples=len(train))
         acc = summary.get("acc_by_pos", [])
         log(f"{v.name}: held-out acc by position {[round(a, 3) for a in acc]}, tau_tf {summary.get('tau_tf', 0):.3f}")
 
@@ -353,6 +330,72 @@ def run(args: argparse.Namespace, log=print) -> dict:
     return report
 
 
+def build_runs(variants: list[Variant], configs: dict, target: Target, counts: torch.Tensor,
+               args: argparse.Namespace) -> tuple[dict[str, TrainRun], dict[str, float]]:
+    """Each variant's ``TrainRun`` with its drafter (seeded as ``specray train`` seeds it) and
+    draft vocabulary (the most frequent supervised training tokens), and that vocabulary's coverage."""
+    runs, coverage = {}, {}
+    for v in variants:
+        cfg = configs[v.name]
+        strategy = get_strategy(v.drafter.algorithm)(v.objective, seed=args.seed)
+        model = fresh_drafter(cfg, strategy, target, seed=args.seed).to(args.device)
+        if cfg.draft_vocab_size is not None:
+            vocab = top_tokens(counts, cfg.draft_vocab_size)
+            model.set_draft_vocab(vocab)
+            coverage[v.name] = float(counts[vocab].sum() / counts.sum())
+        settings = OptimSettings(lr=v.lr, warmup_steps=args.warmup_steps, total_steps=10**9, min_lr_ratio=0.1,
+                                 grad_clip=1.0)
+        runs[v.name] = TrainRun(TrainerCore(model, strategy, cfg, settings), log_every=args.log_every)
+    return runs, coverage
+
+
+def train_variants(runs: dict[str, TrainRun], variants: list[Variant], configs: dict, feats: Features,
+                   train_idx: list[int], args: argparse.Namespace, *, t0: float, log=print) -> tuple[list, int, float]:
+    """Train every variant on the same shuffled batches until the time budget's step count;
+    returns (loss history per logged step, steps, start time)."""
+    rng = random.Random(args.seed)
+    order: list[int] = []
+    step, history, total = 0, [], None
+    t_train = time.perf_counter()
+    while total is None or step < total:
+        if not order:
+            order = train_idx[:]
+            rng.shuffle(order)
+        indices, order = order[: args.batch_size], order[args.batch_size:]
+        batch = feats.batch(indices)  # gathered once, each variant takes its layers' columns
+        records = {v.name: runs[v.name].train_step([feats.select(batch, configs[v.name].target_layer_ids)])
+                   for v in variants}
+        step += 1
+        if total is None and step == args.warmup_steps:
+            # the schedule's cosine starts after warmup: fix total_steps to the budget now
+            per_step = (time.perf_counter() - t_train) / step
+            budget = args.train_seconds
+            if args.deadline_seconds is not None:  # leave time to evaluate and save before the deadline
+                budget = min(budget, args.deadline_seconds - (time.perf_counter() - t0) - args.reserve_seconds
+                             + (time.perf_counter() - t_train))
+            total = max(step + 1, int(budget / per_step))
+            for run in runs.values():
+                run.core.settings = replace(run.core.settings, total_steps=total)
+            log(f"train: {per_step * 1000:.0f} ms/step for {len(variants)} variants -> {total} steps")
+        if step == total:
+            records = {name: record or runs[name].flush() for name, record in records.items()}
+        if all(records.values()):
+            losses = {name: record["loss"] for name, record in records.items()}
+            history.append({"step": step, **losses})
+            log(f"train: step {step}/{total}: " + ", ".join(f"{k} {x:.3f}" for k, x in losses.items()))
+    return history, step, t_train
+
+
+def save_variant(path: Path, run: TrainRun, variant: Variant, cfg, *, digest: str, target_name: str, steps: int,
+                 train_samples: int) -> None:
+    """The variant file: bf16 weights plus the draft vocabulary, with the config and target digest in its header."""
+    state = {k: (t.to(torch.bfloat16) if t.is_floating_point() else t).detach().cpu().contiguous()
+             for k, t in run.core.model.state_dict().items()}
+    save_file(state, path, metadata={"algorithm": variant.drafter.algorithm, "config": json.dumps(cfg.to_dict()),
+                                     "target_digest": digest, "target": target_name, "steps": str(steps),
+                                     "train_samples": str(train_samples)})
+
+
 def export(variant_file: str | Path, out_dir: str | Path, *, target_name: str = DEFAULT_TARGET) -> Path:
     """Turn a ``run`` variant file into an export for the local target (refused for another target)."""
     with safe_open(str(variant_file), "pt") as f:
@@ -363,17 +406,15 @@ def export(variant_file: str | Path, out_dir: str | Path, *, target_name: str = 
     if meta["target_digest"] != local:
         raise ValueError(f"{variant_file} was trained on a target with weight digest {meta['target_digest']}, "
                          f"but {target_name} here has {local}: its drafter read another model's hidden states")
-    config = json.loads(meta["config"])
-    cfg = DFlashConfig.from_dict(dict(config, target_layer_ids=tuple(config["target_layer_ids"])))
-    model = DFlashDrafter(cfg, embed_tokens=target.model.model.embed_tokens, lm_head=target.model.lm_head)
-    model.load_state_dict({k: (t.float() if t.is_floating_point() else t) for k, t in state.items()})
-    contract = build_contract("dflash", target_fingerprint=target.target_fingerprint,
-                              template_fingerprint=target.template_fingerprint, num_target_layers=target.num_layers,
-                              hidden_size=target.hidden_size, layer_ids=cfg.target_layer_ids)
+    algorithm = meta.get("algorithm", DEFAULT_ALGORITHM)  # a variant file without one holds a DFlash drafter
+    model = drafter_from_state(algorithm, json.loads(meta["config"]),
+                               {k: (t.float() if t.is_floating_point() else t) for k, t in state.items()},
+                               embed_tokens=target.model.model.embed_tokens, lm_head=target.model.lm_head)
+    contract = variant_contract(algorithm, target, model.config.target_layer_ids)
     provenance = {"run": Path(variant_file).stem, "source": "specray.pipeline.onegpu", "target": target_name,
                   "steps": int(meta["steps"]), "train_samples": int(meta["train_samples"]),
                   "weights_precision": "bf16 (stored as fp32)"}
-    return save_drafter(out_dir, model, contract=json.loads(contract.to_json()), provenance=provenance)
+    return export_drafter(model, out_dir, contract=json.loads(contract.to_json()), provenance=provenance)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -393,8 +434,6 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--max-length", type=int, default=1024)
     r.add_argument("--heldout-percent", type=int, default=2)
     r.add_argument("--batch-size", type=int, default=32)
-    r.add_argument("--num-anchors", type=int, default=16)
-    r.add_argument("--gamma", type=float, default=4.0)
     r.add_argument("--warmup-steps", type=int, default=50)
     r.add_argument("--train-seconds", type=float, default=180.0)
     r.add_argument("--deadline-seconds", type=float, default=None,

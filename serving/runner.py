@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specray.drafters.common import apply_rope_table, rope_table, weight_major_linear
 from specray.serving.kv_cache import SlotKVCache, attention_mask
 
 @dataclass
@@ -58,21 +59,6 @@ def pad_rows(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     for b, s in enumerate(seqs):
         ids[b, : len(s)] = torch.tensor(s)
     return ids, lengths
-
-
-def _project(weight: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None = None, *,
-             row_major: bool = True) -> torch.Tensor:
-    """``x @ weight.T (+ residual)``: x [M, in] row-major, weight [out, in] -> [M, out].
-
-    Computed as ``(weight @ x.T).T``: for M >= 2 MKL's gemm then streams the weights at several
-    times the speed of the ``x @ W.T`` kernel ``F.linear`` uses at small M (module docstring).
-    The product is [out, M]; the residual add writes it back row-major (the next projection's
-    input layout), or ``row_major=False`` leaves the transposed view for ops that copy anyway.
-    """
-    out = torch.mm(weight, x.t()).t()  # [M, out], a transposed view of the [out, M] product
-    if residual is not None:
-        return residual + out
-    return out.contiguous() if row_major else out
 
 
 @dataclass
@@ -126,10 +112,7 @@ class LlamaRunner:
                 "down": m.down_proj.weight,
             })
         theta = float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
-        inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
-        angles = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq  # [max_len, hd/2]
-        self.cos = torch.cat([angles.cos(), angles.cos()], dim=-1).to(dtype)  # [max_len, hd]
-        self.sin = torch.cat([-angles.sin(), angles.sin()], dim=-1).to(dtype)  # sign-folded, see _rope
+        self.cos, self.sin = rope_table(max_len, self.head_dim, theta, dtype)  # [max_len, hd] each, sines sign-folded
         self.cache = SlotKVCache(num_layers=len(self.layers), num_slots=num_slots, max_len=max_len,
                                  num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=dtype)
 
@@ -174,7 +157,7 @@ class LlamaRunner:
         """qkv [R, (H+2Hkv)hd] of layer ``i`` -> attention output [R, H*hd]; writes the real rows' K/V."""
         B, T, H, Hkv, hd = plan.B, plan.T, self.num_heads, self.num_kv_heads, self.head_dim
         g = H // Hkv
-        qk = _rope(qkv[:, : (H + Hkv) * hd].view(B * T, H + Hkv, hd), plan.cos, plan.sin)  # [R, H+Hkv, hd]
+        qk = apply_rope_table(qkv[:, : (H + Hkv) * hd].view(B * T, H + Hkv, hd), plan.cos, plan.sin)  # [R, H+Hkv, hd]
         v = qkv[:, (H + Hkv) * hd :].view(B * T, Hkv, hd)
         if plan.write_views is not None:
             plan.write_views[0][i].copy_(qk[: plan.rows, H:].transpose(0, 1))
@@ -205,21 +188,12 @@ class LlamaRunner:
         capture = self.capture_layer_ids
         for i, w in enumerate(self.layers):
             h = F.rms_norm(x, (D,), w["in_norm"], self.eps)
-            x = _project(w["o"], self._attention(i, _project(w["qkv"], h, row_major=False), plan), residual=x)
-            gate, up = _project(w["gate_up"], F.rms_norm(x, (D,), w["post_norm"], self.eps)).chunk(2, dim=-1)
-            x = _project(w["down"], F.silu(gate).mul_(up), residual=x)
+            qkv = weight_major_linear(w["qkv"], h, row_major=False)
+            x = weight_major_linear(w["o"], self._attention(i, qkv, plan), residual=x)
+            gate, up = weight_major_linear(w["gate_up"], F.rms_norm(x, (D,), w["post_norm"], self.eps)).chunk(2, dim=-1)
+            x = weight_major_linear(w["down"], F.silu(gate).mul_(up), residual=x)
             if i in capture:
                 hidden[i] = x[: plan.rows].view(B, T, D)
-        logits = _project(self.lm_head, F.rms_norm(x, (D,), self.final_norm, self.eps))  # [R, V]
+        logits = weight_major_linear(self.lm_head, F.rms_norm(x, (D,), self.final_norm, self.eps))  # [R, V]
         return RunnerOutput(logits[: plan.rows].float().view(B, T, -1), hidden)
 
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of x [N, heads, hd] with cos/sin [N, 1, hd] (``sin`` sign-folded).
-
-    transformers: ``x * cos + rotate_half(x) * sin`` with ``rotate_half([x1, x2]) = [-x2, x1]``;
-    here ``flip([x1, x2]) * [-s, s] = [-x2 * s, x1 * s]``, the same products exactly.
-    """
-    N, heads, hd = x.shape
-    flipped = x.reshape(N, heads, 2, hd // 2).flip(2).reshape(N, heads, hd)
-    return torch.addcmul(x * cos, flipped, sin)

@@ -1,11 +1,20 @@
-"""The training loop: loader → TrainerCore → metrics, checkpoints, exact resume.
+"""The training core every driver shares: one step, one metrics record, one checkpoint save/resume.
 
-``Trainer.fit`` runs optimizer steps ``[start, total_steps)``. Every ``log_every`` steps rank 0
-appends a record to ``<run_dir>/metrics.jsonl``: loss, lr, grad norm, tokens/s, per-position
-teacher-forced accuracy and CE, ``tau_tf``, and the step time split into data wait, forward,
-backward and optimizer. Every ``checkpoint_every`` steps (and at the end) rank 0 writes a
-checkpoint with the drafter, optimizer, scheduler, RNG and loader position; ``resume`` loads
-the latest one, so N steps + resume + N steps equals 2N straight steps.
+``TrainRun`` is one rank's training state around a ``TrainerCore``: the optimizer step counter,
+tokens seen and metric records. ``specray train`` (``Trainer`` below), the Ray trainer gang
+(``actors/trainer.py``, which adds the ledger and Ray's checkpoint protocol) and the
+one-accelerator path (``pipeline/onegpu.py``) all train through ``TrainRun.train_step`` and
+checkpoint through ``TrainRun.save`` / ``TrainRun.load``.
+
+A metrics record (every ``log_every`` steps, and whenever a driver flushes, e.g. before a
+checkpoint) holds: step, loss, lr, grad norm, tokens, tokens/s, the step time split into data
+wait, forward, backward and optimizer, and the strategy's metrics (``acc_by_pos``, ``tau_tf``,
+…). A checkpoint holds the drafter, optimizer, scheduler, RNG, the loader position, tokens
+seen and the record history, so N steps + resume + N steps equals 2N straight steps.
+
+``Trainer.fit`` runs optimizer steps ``[start, total_steps)`` from a ``FeatureLoader``; rank 0
+appends each record to ``<run_dir>/metrics.jsonl`` and writes a checkpoint every
+``checkpoint_every`` steps (and at the end) under ``<run_dir>/checkpoints``.
 """
 
 from __future__ import annotations
@@ -19,55 +28,158 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from specray.trainer.checkpoint import capture_rng_state, latest_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint
-from specray.trainer.core import TrainerCore
-from specray.trainer.loader import FeatureLoader
+from specray.trainer.core import StepResult, TrainerCore
+from specray.trainer.loader import FeatureLoader, TrainBatch
+
+
+class MetricsWindow:
+    """Step results summed between two metrics records."""
+
+    def __init__(self):
+        self.steps, self.loss, self.grad_norm, self.lr, self.tokens, self.wall = 0, 0.0, 0.0, 0.0, 0, 0.0
+        self.seconds = {"data": 0.0, "forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def add(self, result: StepResult, tokens: int, data_wait: float, wall: float) -> None:
+        self.steps += 1
+        self.loss += result.loss
+        self.grad_norm += result.grad_norm
+        self.lr = result.lr
+        self.tokens += tokens
+        self.wall += wall
+        self.seconds["data"] += data_wait
+        for key, value in result.seconds.items():
+            self.seconds[key] += value
+        for key, value in result.sums.items():
+            self.sums[key] = self.sums.get(key, 0) + value
+
+    def record(self, step: int, tokens_seen: int, strategy) -> dict:
+        return {
+            "step": step,
+            "loss": self.loss / self.steps,
+            "lr": self.lr,
+            "grad_norm": self.grad_norm / self.steps,
+            "tokens": tokens_seen,
+            "tokens_per_s": self.tokens / self.wall,
+            "step_seconds": {k: v / self.steps for k, v in self.seconds.items()},
+            **strategy.summarize(self.sums),
+        }
+
+
+class TrainRun:
+    """One rank's training: a ``TrainerCore`` plus step, tokens seen and metric records.
+
+    ``extra`` is what every checkpoint carries besides the training state (algorithm, drafter
+    config, contract, provenance: what an export needs). ``record_fields`` are added to every
+    metrics record (the gang's ``attempt``).
+    """
+
+    def __init__(self, core: TrainerCore, *, log_every: int, extra: dict | None = None):
+        if log_every < 1:
+            raise ValueError(f"log_every must be >= 1, got {log_every}")
+        self.core, self.log_every = core, log_every
+        self.extra = extra or {}
+        self.record_fields: dict = {}
+        self.step = 0
+        self.tokens_seen = 0
+        self.records: list[dict] = []
+        self._window = MetricsWindow()
+
+    @property
+    def is_main(self) -> bool:
+        return self.core.rank == 0
+
+    def train_step(self, batches: list[TrainBatch], *, data_wait: float = 0.0) -> dict | None:
+        """One optimizer step over this rank's micro-batches; returns a record every ``log_every`` steps."""
+        start = time.perf_counter()
+        result = self.core.train_step(batches, self.step)
+        tokens = sum(b.num_tokens for b in batches)
+        if self.core.distributed:
+            count = torch.tensor([tokens], dtype=torch.int64)
+            dist.all_reduce(count)
+            tokens = int(count)
+        self.tokens_seen += tokens
+        self.step += 1
+        self._window.add(result, tokens, data_wait, data_wait + time.perf_counter() - start)
+        return self.flush() if self.step % self.log_every == 0 else None
+
+    def flush(self) -> dict | None:
+        """A record of the steps since the last one (None if there were none)."""
+        if not self._window.steps:
+            return None
+        record = {**self._window.record(self.step, self.tokens_seen, self.core.strategy), **self.record_fields}
+        self.records.append(record)
+        self._window = MetricsWindow()
+        return record
+
+    def save(self, directory: str | Path, *, loader_state: dict, keep_last: int | None, **extra) -> None:
+        """Rank 0 writes the checkpoint of the current step under ``directory`` (other ranks: nothing)."""
+        if not self.is_main:
+            return
+        core = self.core
+        state = dict(self.extra, tokens_seen=self.tokens_seen, metrics_history=self.records,
+                     last_metrics=self.records[-1] if self.records else None, **extra)
+        save_checkpoint(directory, self.step, model=core.model.state_dict(), optimizer=core.optimizer.state_dict(),
+                        scheduler=core.scheduler.state_dict(), loader=loader_state, rng=capture_rng_state(),
+                        extra=state, keep_last=keep_last)
+
+    def load(self, path: str | Path) -> dict:
+        """Resume from a checkpoint (a step dir, or a directory's latest); returns the loader state."""
+        ckpt = load_checkpoint(path)
+        self.core.model.load_state_dict(ckpt.model)
+        self.core.load_state_dict({"optimizer": ckpt.optimizer, "scheduler": ckpt.scheduler})
+        restore_rng_state(ckpt.rng)
+        self.step = ckpt.step
+        self.tokens_seen = ckpt.extra.get("tokens_seen", 0)
+        self.records = [r for r in ckpt.extra.get("metrics_history", []) if r["step"] <= ckpt.step]
+        self._window = MetricsWindow()
+        return ckpt.loader
 
 
 class Trainer:
+    """``specray train``'s loop: a ``TrainRun`` fed by a ``FeatureLoader``, logging and
+    checkpointing under ``run_dir``."""
+
     def __init__(
-        self, core: TrainerCore, loader: FeatureLoader, *, run_dir: str | Path, total_steps: int,
-        checkpoint_every: int, log_every: int, keep_last: int | None = 2, extra: dict | None = None,
+        self, run: TrainRun, loader: FeatureLoader, *, run_dir: str | Path, total_steps: int,
+        checkpoint_every: int, keep_last: int | None = 2,
     ):
-        if total_steps < 1 or checkpoint_every < 1 or log_every < 1:
-            raise ValueError("total_steps, checkpoint_every and log_every must be >= 1")
-        self.core, self.loader = core, loader
+        if total_steps < 1 or checkpoint_every < 1:
+            raise ValueError("total_steps and checkpoint_every must be >= 1")
+        self.run, self.loader = run, loader
         self.run_dir = Path(run_dir)
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.metrics_path = self.run_dir / "metrics.jsonl"
-        self.total_steps, self.checkpoint_every, self.log_every = total_steps, checkpoint_every, log_every
-        self.keep_last = keep_last
-        self.extra = extra or {}
-        self.step = 0
-        self.tokens_seen = 0
-        self.is_main = core.rank == 0
-        if self.is_main:
+        self.total_steps, self.checkpoint_every, self.keep_last = total_steps, checkpoint_every, keep_last
+        if self.run.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def core(self) -> TrainerCore:
+        return self.run.core
+
+    @property
+    def step(self) -> int:
+        return self.run.step
+
+    @property
+    def extra(self) -> dict:
+        return self.run.extra
 
     def resume(self) -> int:
         """Load the latest checkpoint if there is one; returns the step training continues from."""
         path = latest_checkpoint(self.checkpoint_dir)
         if path is None:
             return 0
-        ckpt = load_checkpoint(path)
-        self.core.model.load_state_dict(ckpt.model)
-        self.core.load_state_dict({"optimizer": ckpt.optimizer, "scheduler": ckpt.scheduler})
-        self.loader.load_state_dict(ckpt.loader)
-        restore_rng_state(ckpt.rng)
-        self.step = ckpt.step
-        self.tokens_seen = ckpt.extra.get("tokens_seen", 0)
-        if self.is_main and self.metrics_path.exists():  # drop records logged after that checkpoint
-            kept = [line for line in self.metrics_path.read_text().splitlines() if json.loads(line)["step"] <= self.step]
+        self.loader.load_state_dict(self.run.load(path))
+        if self.run.is_main and self.metrics_path.exists():  # drop records logged after that checkpoint
+            kept = [line for line in self.metrics_path.read_text().splitlines()
+                    if json.loads(line)["step"] <= self.run.step]
             self.metrics_path.write_text("".join(line + "\n" for line in kept))
-        return self.step
+        return self.run.step
 
     def save(self) -> None:
-        if self.is_main:
-            save_checkpoint(
-                self.checkpoint_dir, self.step, model=self.core.model.state_dict(),
-                optimizer=self.core.optimizer.state_dict(), scheduler=self.core.scheduler.state_dict(),
-                loader=self.loader.state_dict(), rng=capture_rng_state(),
-                extra=dict(self.extra, tokens_seen=self.tokens_seen), keep_last=self.keep_last,
-            )
+        self.run.save(self.checkpoint_dir, loader_state=self.loader.state_dict(), keep_last=self.keep_last)
         if self.core.distributed:
             dist.barrier()
 
@@ -76,62 +188,26 @@ class Trainer:
         stop = min(self.total_steps, until if until is not None else self.total_steps)
         accum = self.core.settings.accumulation_steps
         records: list[dict] = []
-        window: dict = {}
-        bar = tqdm(total=self.total_steps, initial=self.step, unit="step", desc="train", disable=not (progress and self.is_main))
+        bar = tqdm(total=self.total_steps, initial=self.step, unit="step", desc="train",
+                   disable=not (progress and self.run.is_main))
         while self.step < stop:
             start = time.perf_counter()
             batches = [self.loader.next_batch() for _ in range(accum)]
-            data_wait = time.perf_counter() - start
-            result = self.core.train_step(batches, self.step)
-            tokens = sum(b.num_tokens for b in batches)
-            if self.core.distributed:
-                count = torch.tensor([tokens], dtype=torch.int64)
-                dist.all_reduce(count)
-                tokens = int(count)
-            self.tokens_seen += tokens
-            self.step += 1
-            _accumulate(window, result, tokens, data_wait, time.perf_counter() - start)
-            if self.step % self.log_every == 0 or self.step == self.total_steps:
-                record = self._record(window)
+            record = self.run.train_step(batches, data_wait=time.perf_counter() - start)
+            if record is None and self.step == self.total_steps:
+                record = self.run.flush()
+            if record is not None:
                 records.append(record)
-                window = {}
-                if self.is_main:
-                    with open(self.metrics_path, "a") as f:
-                        f.write(json.dumps(record) + "\n")
-                    bar.set_postfix(loss=f"{record['loss']:.3f}", acc1=f"{record['acc_by_pos'][0]:.2f}", tau=f"{record['tau_tf']:.2f}")
+                self._log(record, bar)
             if self.step % self.checkpoint_every == 0 or self.step in (self.total_steps, stop):
                 self.save()
             bar.update(1)
         bar.close()
         return records
 
-    def _record(self, window: dict) -> dict:
-        steps = window["steps"]
-        metrics = self.core.strategy.summarize(window["sums"])
-        seconds = {k: v / steps for k, v in window["seconds"].items()}
-        return {
-            "step": self.step,
-            "loss": window["loss"] / steps,
-            "lr": window["lr"],
-            "grad_norm": window["grad_norm"] / steps,
-            "tokens": self.tokens_seen,
-            "tokens_per_s": window["tokens"] / window["wall"],
-            "step_seconds": seconds,
-            **metrics,
-        }
-
-
-def _accumulate(window: dict, result, tokens: int, data_wait: float, wall: float) -> None:
-    window["steps"] = window.get("steps", 0) + 1
-    window["loss"] = window.get("loss", 0.0) + result.loss
-    window["grad_norm"] = window.get("grad_norm", 0.0) + result.grad_norm
-    window["lr"] = result.lr
-    window["tokens"] = window.get("tokens", 0) + tokens
-    window["wall"] = window.get("wall", 0.0) + wall
-    seconds = window.setdefault("seconds", {"data": 0.0, "forward": 0.0, "backward": 0.0, "optimizer": 0.0})
-    seconds["data"] += data_wait
-    for key, value in result.seconds.items():
-        seconds[key] += value
-    sums = window.setdefault("sums", {})
-    for key, value in result.sums.items():
-        sums[key] = sums.get(key, 0) + value
+    def _log(self, record: dict, bar) -> None:
+        if self.run.is_main:
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            bar.set_postfix(loss=f"{record['loss']:.3f}", acc1=f"{record['acc_by_pos'][0]:.2f}",
+                            tau=f"{record['tau_tf']:.2f}")

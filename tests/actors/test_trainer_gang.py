@@ -16,12 +16,13 @@ import torch
 
 from specray.actors.broker import start_sample_broker
 from specray.actors.trainer import FaultPlan, GangFailedError, run_trainer_gang, split_window
-from specray.capture.contract import build_contract
+from specray.capture.contract import ContractMismatchError, build_contract
 from specray.capture.data import RenderedSample
 from specray.capture.server import CaptureServer
 from specray.capture.store import FeatureStore, write_manifest
 from specray.drafters.format import load_drafter
 from specray.pipeline.config import TrainJobConfig, load_config
+from specray.trainer.assembly import TrainSpec
 from specray.trainer.checkpoint import load_checkpoint
 from specray.trainer.export import export_checkpoint
 from specray.trainer.ledger import Ledger, audit
@@ -89,13 +90,13 @@ class _Producer(threading.Thread):
             raise self.error
 
 
-def _cfg(tmp_path, name: str, *overrides: str) -> TrainJobConfig:
+def _cfg(tmp_path, name: str, *overrides: str) -> TrainSpec:
     return load_config(TrainJobConfig, None, [
         f"name={name}", "target.name=debug", "data.manifest=null", f"output.run_dir={tmp_path / 'run'}",
         "optim.total_steps=100", "optim.warmup_steps=2", "optim.micro_batch_size=1", "optim.accumulation_steps=2",
         "trainer.checkpoint_every=2", "trainer.log_every=1", "trainer.keep_last=2", "objective.num_anchors=4",
         *overrides,
-    ])
+    ]).train_spec()
 
 
 class _Stream:
@@ -158,7 +159,7 @@ def test_a_crash_is_recovered_with_every_sample_trained_exactly_once(stream, tmp
 def test_resume_with_a_smaller_gang_resplits_the_windows(stream, tmp_path):
     cfg = _cfg(tmp_path, "shrink")
     plan = FaultPlan(point="after_step_before_checkpoint", step=3, rank=1, marker=str(tmp_path / "crashed"))
-    with pytest.raises(GangFailedError, match="rerun with the same storage_path and cfg.name to resume"):
+    with pytest.raises(GangFailedError, match="rerun with the same storage_path and name to resume"):
         run_trainer_gang(cfg, num_workers=2, storage_path=str(tmp_path / "ray"), broker=stream.broker, fault=plan,
                          max_failures=0, timeout_s=TIMEOUT_S)
     result = run_trainer_gang(cfg, num_workers=1, storage_path=str(tmp_path / "ray"), broker=stream.broker,
@@ -183,7 +184,14 @@ def test_the_gang_refuses_a_stream_it_would_deadlock_on(ray_cluster, debug_targe
         run_trainer_gang(cfg, num_workers=2, storage_path=str(tmp_path / "ray"), broker=anonymous)
     with pytest.raises(ValueError, match="give exactly one feature source"):
         run_trainer_gang(cfg, num_workers=2, storage_path=str(tmp_path / "ray"))
-    for broker in (small, anonymous):
+    eagle3 = build_contract("eagle3", target_fingerprint=debug_target.target_fingerprint,
+                            template_fingerprint=debug_target.template_fingerprint,
+                            num_target_layers=debug_target.num_layers, hidden_size=debug_target.hidden_size)
+    other = start_sample_broker(4, max_inflight=8, contract=eagle3, store_uri=uri)
+    with pytest.raises(ContractMismatchError, match=r"drafter\.algorithm=dflash needs features captured with "
+                                                    r"capture\.algorithm=dflash \(got eagle3 in the SampleBroker's stream\)"):
+        run_trainer_gang(cfg, num_workers=2, storage_path=str(tmp_path / "ray"), broker=other)
+    for broker in (small, anonymous, other):
         ray.kill(broker)
 
 

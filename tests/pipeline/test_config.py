@@ -1,6 +1,7 @@
 import pytest
 
 from specray.pipeline.cli import main
+from specray.drafters import DRAFTERS
 from specray.pipeline.config import CaptureJobConfig, ConfigError, load_config
 
 
@@ -64,3 +65,64 @@ def test_online_pipeline_refuses_a_draft_vocabulary_it_cannot_count():
     assert cfg.train.drafter.draft_vocab_size == 64
     with pytest.raises(ConfigError, match=r"draft_vocab_size: Input should be greater than 0"):
         load_config(PipelineConfig, "manifests/quickstart.yaml", ["train.drafter.draft_vocab_size=0"])
+
+
+def test_drafter_section_is_the_algorithms_own_and_the_objective_its_strategys():
+    from specray.drafters.dflash import DFlashSection
+    from specray.pipeline.config import PipelineConfig, TrainJobConfig
+    from specray.trainer.strategies.dflash import DFlashObjective
+
+    cfg = load_config(TrainJobConfig, "manifests/train-dflash-quickstart.yaml",
+                      ["drafter.block_size=4", "objective.gamma=2.5", "data.manifest=m.parquet"])
+    assert isinstance(cfg.drafter, DFlashSection) and cfg.drafter.block_size == 4
+    assert isinstance(cfg.objective, DFlashObjective) and cfg.objective.gamma == 2.5
+    spec = cfg.train_spec()
+    assert spec.drafter == cfg.drafter and spec.objective == cfg.objective and spec.manifest.endswith("/m.parquet")
+    assert spec.config["objective"] == {"num_anchors": 16, "gamma": 2.5}
+    pipeline = load_config(PipelineConfig, "manifests/quickstart.yaml", ["train.drafter.num_layers=2"])
+    assert pipeline.train.drafter.algorithm == "dflash" and pipeline.train.drafter.num_layers == 2  # the default
+    job = pipeline.train_job("m.parquet")
+    assert job.drafter == pipeline.train.drafter and job.objective == pipeline.train.objective
+
+
+@pytest.mark.parametrize(
+    "model, overrides, message",
+    [
+        ("train", ["drafter.algorithm=dspark"],
+         r"drafter\.algorithm: algorithm 'dspark' is not implemented yet .*; implemented: \['dflash'"),
+        ("train", ["drafter.algorithm=medusa"],
+         r"drafter\.algorithm: unknown algorithm 'medusa'; algorithms: \['eagle3', 'dflash', 'dspark', 'dflash2'\], "
+         r"implemented: \['dflash'"),
+        ("train", ["objective.num_anchors=0"], r"objective\.num_anchors: Input should be greater than 0"),
+        ("train", ["objective.gama=1"], r"objective\.gama: unknown key\. Fix: did you mean 'gamma'\?"),
+        ("train", ["drafter.blok_size=4"], r"drafter\.blok_size: unknown key\. Fix: did you mean 'block_size'\?"),
+        ("pipeline", ["train.drafter.algorithm=dspark"], r"train\.drafter\.algorithm: algorithm 'dspark' is not"),
+        ("pipeline", ["train.objective.gamma=-1"], r"train\.objective\.gamma: Input should be greater than 0"),
+        ("pipeline", ["capture.algorithm=eagle3"],
+         r"train\.drafter\.algorithm=dflash needs features captured with capture\.algorithm=dflash \(got eagle3\); "
+         r"set capture\.algorithm=dflash"),
+        ("pipeline", ["train.drafter={algorithm: eagle3}"],
+         r"train\.drafter\.algorithm=eagle3 needs features captured with capture\.algorithm=eagle3 \(got dflash\); "
+         r"set capture\.algorithm=eagle3"),
+    ],
+)
+def test_an_algorithm_or_objective_that_does_not_fit_is_refused_at_load(model, overrides, message):
+    from specray.pipeline.config import PipelineConfig, TrainJobConfig
+
+    manifests = {"train": (TrainJobConfig, "manifests/train-dflash-quickstart.yaml"),
+                 "pipeline": (PipelineConfig, "manifests/quickstart.yaml")}
+    cls, path = manifests[model]
+    with pytest.raises(ConfigError, match=message):
+        load_config(cls, path, overrides)
+
+
+def test_switching_algorithm_by_override_names_the_other_algorithms_fields():
+    from specray.pipeline.config import PipelineConfig
+
+    other = next((name for name in DRAFTERS if name != "dflash"), None)
+    if other is None or "block_size" in DRAFTERS[other].section.model_fields:
+        pytest.skip("needs a second registered drafter without block_size")
+    with pytest.raises(ConfigError, match=rf"train\.drafter\.block_size: unknown key\. Fix: 'block_size' belongs to the "
+                                          rf"dflash drafter section, not {other}'s: drop it, or give the whole section, "
+                                          rf"e.g. train\.drafter=\{{algorithm: {other}\}}"):
+        load_config(PipelineConfig, "manifests/quickstart.yaml", [f"train.drafter.algorithm={other}"])

@@ -24,7 +24,7 @@ def run_args(tmp_path, device="cpu", **overrides):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))
     argv = ["run", "--prompts", str(prompts), "--out", str(tmp_path / "out"), "--device", device, "--target", "debug",
-            "--variants", json.dumps([{"name": "l1", "draft_vocab_size": 64},
+            "--variants", json.dumps([{"name": "l1", "draft_vocab_size": 64, "objective": {"num_anchors": 8}},
                                       {"name": "l2", "num_layers": 2, "layer_ids": [2, 5], "draft_vocab_size": None}]),
             "--gen-batch-size", "4", "--max-new-tokens", "12", "--train-seconds", "3", "--warmup-steps", "3",
             "--batch-size", "2", "--heldout-percent", "50", "--log-every", "5"]
@@ -110,6 +110,12 @@ def test_bad_variants_are_named():
     with pytest.raises(ValueError, match="names a file"):
         onegpu.Variant.parse({"name": "a/b"})
     assert onegpu.Variant.parse({"name": "a"}).drafter.draft_vocab_size == 8192
+    with pytest.raises(ValueError, match=r"variant .a.: num_anchors: Input should be greater than 0"):
+        onegpu.Variant.parse({"name": "a", "objective": {"num_anchors": 0}})
+    with pytest.raises(ValueError, match=r"variant .a.: algorithm 'dspark' is not implemented yet"):
+        onegpu.Variant.parse({"name": "a", "algorithm": "dspark"})
+    variant = onegpu.Variant.parse({"name": "a", "objective": {"gamma": 2}})
+    assert variant.drafter.algorithm == "dflash" and variant.objective.gamma == 2 and variant.objective.num_anchors == 16
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",

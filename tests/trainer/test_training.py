@@ -155,7 +155,13 @@ def test_evaluate_cli_reports_teacher_forced_metrics(manifest, tmp_path, capsys)
 
 def test_bad_inputs(manifest, tmp_path):
     eagle3 = _capture(tmp_path, algorithm="eagle3", name="eagle3", samples=4)
-    with pytest.raises(ContractMismatchError, match="algorithm: expected 'dflash', got 'eagle3'"):
+    fix = (r"drafter\.algorithm=dflash needs features captured with capture\.algorithm=dflash \(got eagle3 in .*"
+           r"eagle3/manifest\.parquet\); capture a manifest with capture\.algorithm=dflash, or train "
+           r"drafter\.algorithm=eagle3")
+    with pytest.raises(ContractMismatchError, match=fix):
+        run_training(_cfg(eagle3, tmp_path / "x"), progress=False)
+    assert not (tmp_path / "x" / "checkpoints").exists()  # refused before anything trained
+    with pytest.raises(ContractMismatchError, match=fix):
         build_trainer(_cfg(eagle3, tmp_path / "x"))
     with pytest.raises(ConfigError, match="drafter.block_size: block_size must be >= 2"):
         _cfg(manifest, tmp_path / "y", "drafter.block_size=1")

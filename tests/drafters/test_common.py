@@ -1,0 +1,76 @@
+"""drafters/common.py: the draft-vocabulary mapping, the two RoPE forms, the small-M linear, and
+the drafter registry's contract (every registered drafter builds from its section and its debug config)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specray.drafters import ALGORITHMS, DRAFTERS, get_drafter
+from specray.drafters.common import (apply_rope, apply_rope_table, d2t_offsets, draft_to_target, rope_table,
+                                     small_m_linear, t2d_mask, target_to_draft, to_target_distribution,
+                                     weight_major_linear)
+
+VOCAB = torch.tensor([2, 5, 9])  # a draft vocabulary over V = 12 target ids
+
+
+def test_draft_vocabulary_maps_both_ways_and_spreads_q_over_the_target_vocabulary():
+    assert target_to_draft(torch.tensor([5, 3, 9, 2]), VOCAB, 12).tolist() == [1, -1, 2, 0]
+    assert draft_to_target(torch.tensor([1, 2, 0]), VOCAB).tolist() == [5, 9, 2]
+    q = torch.tensor([[0.5, 0.25, 0.25]])
+    full = to_target_distribution(q, VOCAB, 12)
+    assert full.shape == (1, 12) and full[0, [2, 5, 9]].tolist() == [0.5, 0.25, 0.25] and full.sum() == 1
+    ids = torch.arange(12)
+    assert torch.equal(target_to_draft(ids, None, 12), ids) and torch.equal(to_target_distribution(q, None, 3), q)
+
+
+def test_peer_encoding_of_the_draft_vocabulary():
+    d2t = d2t_offsets(VOCAB)
+    assert d2t.tolist() == [2, 4, 7]
+    assert (torch.arange(3) + d2t).tolist() == VOCAB.tolist()  # target id = draft index + d2t[index]
+    t2d = t2d_mask(VOCAB, 12)
+    assert t2d.dtype == torch.bool and t2d.nonzero().flatten().tolist() == [2, 5, 9]
+
+
+def test_rope_table_rotates_as_apply_rope():
+    torch.manual_seed(0)
+    H, T, hd = 3, 6, 8
+    x = torch.randn(H, T, hd)
+    positions = torch.tensor([0, 1, 5, 17, 40, 99])
+    cos, sin = rope_table(128, hd, 10000.0, torch.float32)
+    table = apply_rope_table(x.transpose(0, 1), cos[positions][:, None], sin[positions][:, None])  # [T, H, hd]
+    torch.testing.assert_close(table.transpose(0, 1), apply_rope(x, positions, 10000.0), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(apply_rope(x, torch.zeros(T), 10000.0), x)  # position 0 is the identity
+
+
+@pytest.mark.parametrize("rows", [1, 3, 65])
+def test_small_m_linear_is_linear(rows):
+    torch.manual_seed(0)
+    x, w, b = torch.randn(rows, 16), torch.randn(24, 16), torch.randn(24)
+    with torch.no_grad():
+        torch.testing.assert_close(small_m_linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        if rows > 1:
+            assert torch.equal(weight_major_linear(w, x), (w @ x.T).T.contiguous())
+
+
+def test_unimplemented_and_unknown_algorithms_name_the_implemented_ones():
+    assert set(DRAFTERS) <= set(ALGORITHMS)
+    for missing in sorted(set(ALGORITHMS) - set(DRAFTERS)):
+        with pytest.raises(ValueError, match=rf"algorithm '{missing}' has no drafter implemented yet; implemented: \["):
+            get_drafter(missing)
+    with pytest.raises(ValueError, match=r"unknown algorithm 'medusa'; algorithms: \['eagle3', 'dflash'"):
+        get_drafter("medusa")
+
+
+@pytest.mark.parametrize("algorithm", sorted(DRAFTERS))
+def test_every_registered_drafter_builds_from_its_section_and_its_debug_config(algorithm, debug_target):
+    spec = DRAFTERS[algorithm]
+    section = spec.section()  # every field has a default; the discriminator is the registry key
+    assert section.algorithm == algorithm
+    shared = dict(embed_tokens=debug_target.model.model.embed_tokens, lm_head=debug_target.model.lm_head)
+    for config in (section.drafter_config(debug_target, (1, 3, 5)), spec.debug_config(debug_target)):
+        assert isinstance(config, spec.config) and config.vocab_size == debug_target.vocab_size
+        assert spec.config.from_dict(config.to_dict()) == config
+        model = spec.model(config, **shared)
+        assert model.algorithm == algorithm
+        assert not any(p is debug_target.model.lm_head.weight for p in model.parameters())  # shared, not owned
+    assert tuple(section.drafter_config(debug_target, (1, 3, 5)).target_layer_ids) == (1, 3, 5)

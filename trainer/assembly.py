@@ -1,0 +1,229 @@
+"""Assembling a training run: what one rank trains, built the same way for every driver.
+
+``specray train`` (``pipeline/train_job.py``), the Ray trainer gang (``actors/trainer.py``) and
+the one-accelerator path (``pipeline/onegpu.py``) hand this module a ``TrainSpec`` — plain
+values and the validated ``drafter`` / ``objective`` sections, no pipeline config — and get the
+same target, drafter, strategy and ``TrainerCore`` back (``build_rank``). The algorithm comes
+from the registries (``specray.drafters.DRAFTERS``, ``specray.trainer.strategies.STRATEGIES``):
+the drafter section derives its model config (``drafter_config``), the strategy builds the model.
+
+Also here: the checks that features fit the drafter (``check_capture_fits``), the draft
+vocabulary counted once from a manifest (``prepare_draft_vocab``) and starting from an export
+(``drafter.init_from``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from specray.capture.contract import CaptureContract, ContractMismatchError, build_contract
+from specray.capture.store import Manifest, open_store, read_manifest
+from specray.capture.target import Target, load_target
+from specray.drafters.common import DrafterSectionBase
+from specray.trainer.core import OptimSettings, TrainerCore
+from specray.trainer.loader import FeatureLoader
+from specray.trainer.loop import Trainer, TrainRun
+from specray.trainer.strategies import get_strategy
+from specray.trainer.vocab import DraftVocabulary, draft_vocabulary
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """Everything a training run needs, as plain values (picklable: the gang's workers get it)."""
+
+    name: str  # the run's name (provenance; the gang's Ray Train run name)
+    run_dir: str  # absolute: checkpoints, metrics.jsonl, draft_vocab.json
+    target: str  # embedded:<name>, debug[:seed] or a local HF directory
+    target_dtype: str
+    target_device: str
+    drafter: DrafterSectionBase  # the algorithm's drafter section (drafters/<algorithm>.py)
+    objective: Any  # the algorithm's strategy objective (trainer/strategies/<algorithm>.py)
+    optim: OptimSettings
+    micro_batch_size: int  # sequences per rank per micro-batch
+    seed: int  # seeds init, data order and the strategy's draws
+    manifest: str | None  # features to train on; None = an online stream
+    endpoint_url: str | None  # S3 endpoint of the manifest and its store
+    max_length: int | None  # cut samples to this many tokens
+    world_size: int  # DP ranks
+    log_every: int
+    checkpoint_every: int
+    keep_last: int | None  # checkpoints kept (None = all)
+    config: dict  # the job's whole config as JSON, recorded in every checkpoint's provenance
+
+    @property
+    def algorithm(self) -> str:
+        return self.drafter.algorithm
+
+
+def check_capture_fits(drafter_algorithm: str, capture_algorithm: str, *, field: str, where: str = "",
+                       fix: str | None = None) -> None:
+    """Refuse features captured under another algorithm's contract than the drafter trains on.
+
+    A drafter trains on the tensors of its own algorithm's contract (``CONTRACT_SPECS``): the
+    layer count, the order and ``last_hidden_states`` differ between algorithms.
+    """
+    if drafter_algorithm != capture_algorithm:
+        raise ContractMismatchError(
+            f"{field}={drafter_algorithm} needs features captured with capture.algorithm={drafter_algorithm} "
+            f"(got {capture_algorithm}{where}); "
+            + (fix or f"set capture.algorithm={drafter_algorithm}")
+        )
+
+
+def check_manifest_fits(spec: TrainSpec, contract: CaptureContract) -> None:
+    """``check_capture_fits`` for ``specray train``'s manifest, before anything is trained."""
+    check_capture_fits(spec.algorithm, contract.algorithm, field="drafter.algorithm",
+                       where=f" in {spec.manifest}",
+                       fix=f"capture a manifest with capture.algorithm={spec.algorithm}, or train "
+                           f"drafter.algorithm={contract.algorithm}")
+
+
+@dataclass
+class RankParts:
+    """One rank's drafter, optimizer and checkpoint metadata, whatever feeds it features."""
+
+    core: TrainerCore
+    expected: CaptureContract  # the contract this drafter trains on: the target's, at the captured layers
+    extra: dict  # carried by every checkpoint for export: algorithm, drafter config, contract, provenance
+
+
+def _keeps_export_vocab(drafter: DrafterSectionBase) -> bool:
+    """True when ``drafter.init_from`` supplies the draft vocabulary (an export with one of the same size)."""
+    from specray.drafters.format import read_drafter_config
+
+    if not drafter.init_from:
+        return False
+    size = read_drafter_config(drafter.init_from)["architecture"].get("draft_vocab_size")
+    return size is not None and size == drafter.draft_vocab_size
+
+
+def _init_from_export(model: nn.Module, model_cfg, export_dir: str, target: Target, contract: CaptureContract) -> None:
+    """Start ``model`` from an export's weights (fresh optimizer and schedule: a fine-tune, not a resume).
+
+    The architecture must match, except the draft vocabulary size: the LM head is the target's,
+    so a full-vocabulary export restricted to a draft vocabulary keeps its logits on those rows.
+    The vocabulary is the export's when it has one of the configured size (``_keeps_export_vocab``),
+    else the one ``build_rank`` installs from the training manifest."""
+    from specray.drafters.format import load_drafter
+
+    source = load_drafter(export_dir, embed_tokens=target.model.model.embed_tokens, lm_head=target.model.lm_head,
+                          target_fingerprint=target.target_fingerprint,
+                          template_fingerprint=target.template_fingerprint, contract=json.loads(contract.to_json()))
+    have, want = source.config.to_dict(), model_cfg.to_dict()
+    diffs = ", ".join(f"{k}: export {have.get(k)!r} vs config {want.get(k)!r}"
+                      for k in sorted(set(have) | set(want)) if have.get(k) != want.get(k) and k != "draft_vocab_size")
+    if diffs:
+        raise ValueError(f"drafter.init_from={export_dir} has another architecture ({diffs}); set the drafter "
+                         "section to match the export")
+    state = source.state_dict()
+    if have.get("draft_vocab_size") != want.get("draft_vocab_size"):
+        state.pop("draft_vocab", None)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if set(missing) - {"draft_vocab"} or unexpected:
+        raise ValueError(f"drafter.init_from={export_dir}: weights do not fit (missing {missing}, extra {unexpected})")
+
+
+def prepare_draft_vocab(spec: TrainSpec, manifest: Manifest, store) -> DraftVocabulary | None:
+    """The draft vocabulary of ``drafter.draft_vocab_size`` from the training manifest, counted once
+    and kept in ``<run_dir>/draft_vocab.json`` (None without one, or when ``init_from`` supplies it)."""
+    size = spec.drafter.draft_vocab_size
+    if size is None or _keeps_export_vocab(spec.drafter):
+        return None
+    run_dir = Path(spec.run_dir)
+    path, source = run_dir / "draft_vocab.json", str(spec.manifest)
+    if path.exists():
+        vocab = DraftVocabulary.load(path)
+        if len(vocab.token_ids) == size and vocab.source == source:
+            return vocab
+    vocab = draft_vocabulary(manifest, store, size, source=source)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    vocab.save(path)
+    return vocab
+
+
+def count_draft_vocab(spec: TrainSpec) -> DraftVocabulary | None:
+    """``prepare_draft_vocab`` for a spec's manifest, in the driver (so ranks do not each count it)."""
+    if spec.drafter.draft_vocab_size is None or spec.manifest is None:
+        return None
+    manifest = read_manifest(spec.manifest, endpoint_url=spec.endpoint_url)
+    return prepare_draft_vocab(spec, manifest, open_store(manifest.store_uri, endpoint_url=spec.endpoint_url))
+
+
+def expected_contract(algorithm: str, target: Target, features: CaptureContract) -> CaptureContract:
+    """The contract a drafter of ``algorithm`` on ``target`` trains on, at the features' layers and dtype."""
+    return build_contract(
+        algorithm, target_fingerprint=target.target_fingerprint, template_fingerprint=target.template_fingerprint,
+        num_target_layers=target.num_layers, hidden_size=target.hidden_size, layer_ids=features.layer_ids,
+        dtype=features.dtype,
+    )
+
+
+def fresh_drafter(model_cfg, strategy, target: Target, *, seed: int) -> nn.Module:
+    """A new drafter of ``model_cfg`` built by ``strategy`` on ``target``'s shared modules; its
+    initial weights are a function of ``seed`` (identical on every rank)."""
+    torch.manual_seed(seed)
+    return strategy.build_model(model_cfg, embed_tokens=target.model.model.embed_tokens,
+                                lm_head=target.model.lm_head, final_norm=target.model.model.norm)
+
+
+def build_rank(spec: TrainSpec, contract: CaptureContract, *, rank: int = 0, world_size: int = 1,
+               provenance: dict | None = None, draft_vocab: DraftVocabulary | None = None) -> RankParts:
+    """Target, drafter and TrainerCore of one rank, for features captured under ``contract``.
+
+    With ``drafter.draft_vocab_size`` the vocabulary comes from ``drafter.init_from`` or from
+    ``draft_vocab`` (``prepare_draft_vocab``)."""
+    strategy = get_strategy(spec.algorithm)(spec.objective, seed=spec.seed)
+    target = load_target(spec.target, dtype=spec.target_dtype, device=spec.target_device)
+    expected = expected_contract(spec.algorithm, target, contract)
+    model_cfg = spec.drafter.drafter_config(target, expected.layer_ids)
+    model = fresh_drafter(model_cfg, strategy, target, seed=spec.seed)
+    if spec.drafter.init_from:
+        _init_from_export(model, model_cfg, spec.drafter.init_from, target, contract)
+    if model_cfg.draft_vocab_size is not None and not _keeps_export_vocab(spec.drafter):
+        if draft_vocab is None:
+            raise ValueError("drafter.draft_vocab_size is counted from a training manifest (data.manifest) or taken "
+                             "from drafter.init_from; online training has neither: set drafter.draft_vocab_size=null "
+                             "or drafter.init_from=<an export with a draft vocabulary>")
+        model.set_draft_vocab(torch.tensor(draft_vocab.token_ids))
+    core = TrainerCore(model, strategy, model_cfg, spec.optim, rank=rank, world_size=world_size)
+    vocab = {} if draft_vocab is None else {"draft_vocab": {
+        "size": len(draft_vocab.token_ids), "coverage": draft_vocab.coverage, "source": draft_vocab.source}}
+    extra = {
+        "algorithm": spec.algorithm,
+        "drafter_config": model_cfg.to_dict(),
+        "contract": json.loads(contract.to_json()),
+        "provenance": {"run": spec.name, "run_dir": spec.run_dir, "target": spec.target, "world_size": world_size,
+                       "config": spec.config, **(provenance or {}), **vocab},
+    }
+    return RankParts(core, expected, extra)
+
+
+def feature_loader(spec: TrainSpec, manifest: Manifest, store, expected: CaptureContract, *, rank: int = 0,
+                   world_size: int = 1) -> FeatureLoader:
+    """This rank's slice of a manifest, checked against the contract the drafter trains on."""
+    return FeatureLoader(manifest, store, micro_batch_size=spec.micro_batch_size, seed=spec.seed, rank=rank,
+                         world_size=world_size, expected=expected, max_length=spec.max_length)
+
+
+def build_trainer(spec: TrainSpec, *, rank: int = 0, world_size: int = 1) -> Trainer:
+    """``specray train``'s rank: a ``Trainer`` on the spec's manifest; refuses features of another
+    algorithm before anything is built."""
+    if spec.manifest is None:
+        raise ValueError("data.manifest is required to train from a manifest; online training reads a "
+                         "SampleBroker instead (actors/trainer.py run_trainer_gang)")
+    manifest = read_manifest(spec.manifest, endpoint_url=spec.endpoint_url)
+    check_manifest_fits(spec, manifest.contract)
+    store = open_store(manifest.store_uri, endpoint_url=spec.endpoint_url)
+    parts = build_rank(spec, manifest.contract, rank=rank, world_size=world_size,
+                       provenance={"manifest": spec.manifest, "samples": len(manifest.refs)},
+                       draft_vocab=prepare_draft_vocab(spec, manifest, store))
+    loader = feature_loader(spec, manifest, store, parts.expected, rank=rank, world_size=world_size)
+    run = TrainRun(parts.core, log_every=spec.log_every, extra=parts.extra)
+    return Trainer(run, loader, run_dir=spec.run_dir, total_steps=spec.optim.total_steps,
+                   checkpoint_every=spec.checkpoint_every, keep_last=spec.keep_last)
