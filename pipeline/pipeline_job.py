@@ -231,35 +231,28 @@ def _train_online(cfg: PipelineConfig, report: PipelineReport, progress: bool) -
     steps = -(-len(plan.samples) // window)  # one pass: the stream is consume-once
     storage = t.storage or str(cfg.run_dir / "ray-train")
     train_job = cfg.train_job(None).model_copy(update={"optim": t.optim.model_copy(update={"total_steps": steps})})
-    ledger_uri = _training_locations(cfg)[1]
+    ledger_uri = o.ledger or f"{storage.rstrip('/')}/{train_job.name}/ledger"
     # Samples an earlier run of this stream dispatched are the gang's to re-dispatch (from the
     # ledger, on resume); the producer captures only the ones never dispatched.
     state = Ledger(ledger_uri).replay()
     dispatched = {r.sample_id for refs in state.windows.values() for r in refs}
-    # The keys this stream writes: its planned samples' and every one the ledger dispatched.
-    # Only these are ever deleted or audited; other datasets may share the store root.
-    keys = {feature_key(plan.contract.contract_id, s.sample_id) for s in plan.samples} | stream_keys(state)
     broker = start_sample_broker(window, max_inflight=o.max_inflight_samples, max_inflight_bytes=o.max_inflight_bytes,
                                  contract=plan.contract, store_uri=cfg.store_uri, endpoint_url=cfg.store.endpoint_url)
     pool = CapturePool(cfg.target.name, plan.contract, cfg.store_uri, endpoint_url=cfg.store.endpoint_url,
                        num_actors=cfg.capture.num_actors, num_cpus_per_actor=cfg.capture.num_cpus_per_actor,
                        target_dtype=cfg.target.dtype)
     if dispatched:
-        _adopt_leftovers(state, broker, pool.store, keys)
+        _adopt_leftovers(state, broker, pool.store)
     producer = _Producer(pool, broker, plan, progress, skip=dispatched)
     try:
         producer.start()
-        try:
-            result = run_trainer_gang(train_job.train_spec(), num_workers=t.num_workers, storage_path=storage,
-                                      ledger_uri=ledger_uri, broker=broker,
-                                      max_failures=t.max_failures, cpus_per_worker=t.cpus_per_worker)
-        except Exception:
-            producer.raise_error()  # a failed stream fails the gang: report the cause, not its echo
-            raise
+        result = run_trainer_gang(train_job.train_spec(), num_workers=t.num_workers, storage_path=storage,
+                                  ledger_uri=ledger_uri, broker=broker,
+                                  max_failures=t.max_failures, cpus_per_worker=t.cpus_per_worker)
         producer.check()
         stats = ray.get(broker.stats.remote(), timeout=60)
         checked = audit(Ledger(result.ledger_uri), source_ids=[s.sample_id for s in plan.samples],
-                        store=open_store(cfg.store_uri, endpoint_url=cfg.store.endpoint_url), keys=keys)
+                        store=open_store(cfg.store_uri, endpoint_url=cfg.store.endpoint_url))
     finally:
         producer.stop.set()
         pool.close()
