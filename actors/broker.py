@@ -31,6 +31,12 @@ Usage (producer side)::
         ray.get(broker.offer.remote(refs, reserved_bytes=estimate))
     ray.get(broker.close.remote())   # end of stream: the last partial window is released
 
+**Failure.** A producer that fails gives back what it reserved (``cancel``) and calls
+``fail(message)``. That is not end of stream: every rank waiting for a window it has not got
+yet, or for a re-capture, raises ``StreamFailedError`` with the producer's message, at once
+and even after a ``close`` — instead of waiting for reserved features that never come, or
+finishing and checkpointing as if the stream were complete.
+
 **Re-capture.** Features are a cache; the ledger and the sample source are the truth. A
 producer that can capture a sample again calls ``enable_recapture()``. A rank that finds a
 dispatched feature gone (a ``ray://`` blob lost with its capture actor, or a blob deleted under
@@ -81,6 +87,10 @@ class StaleAttemptError(RuntimeError):
     """A worker of an attempt the broker has been rewound past asked for a window."""
 
 
+class StreamFailedError(RuntimeError):
+    """The producer failed (``fail``): the stream will not end, and what it holds may not be complete."""
+
+
 class BrokerStalledError(RuntimeError):
     """Every rank waits for a window that can only fill once capacity frees: the bound is too small."""
 
@@ -112,6 +122,7 @@ class WindowQueue:
         self.attempt: int | None = None  # set by the first rewind
         self.world_size = 1
         self.closed = False
+        self.failed: str | None = None  # the producer's error (fail): beats close, ends every wait
         self.reserved_samples = 0
         self.reserved_bytes = 0
         self.inflight: dict[str, SampleRef] = {}  # stored, not yet released (pending or dispatched)
@@ -144,7 +155,8 @@ class WindowQueue:
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
 
     def check_reservation(self, num_samples: int, num_bytes: int) -> None:
-        """Raise for a reservation that can never fit (or comes after close)."""
+        """Raise for a reservation that can never fit (or comes after close or a failure)."""
+        self.check_failed()
         if self.closed:
             raise ValueError("the stream is closed (close() was called); a new producer pass needs a new broker")
         if num_samples < 1 or num_bytes < 0:
@@ -180,6 +192,7 @@ class WindowQueue:
 
     def offer(self, refs: Iterable[SampleRef], *, reserved_bytes: int) -> None:
         """Turn a reservation of ``len(refs)`` features and ``reserved_bytes`` into pending refs."""
+        self.check_failed()
         refs = list(refs)
         if len(refs) > self.reserved_samples or reserved_bytes > self.reserved_bytes:
             raise ValueError(f"offer of {len(refs)} refs / {reserved_bytes} bytes without a matching reservation "
@@ -215,6 +228,19 @@ class WindowQueue:
 
     def close(self) -> None:
         self.closed = True
+
+    def fail(self, message: str) -> None:
+        """The producer failed: every new window request and every wait raises ``StreamFailedError``.
+
+        Unlike ``close`` this is not end of stream: the gang must not finish (and checkpoint) as if
+        the stream were complete. Windows cut before the failure are still answered (every rank
+        gets the same one); the first failure is kept as the cause.
+        """
+        self.failed = self.failed or message
+
+    def check_failed(self) -> None:
+        if self.failed is not None:
+            raise StreamFailedError(f"the feature stream failed: {self.failed}")
 
     def hold(self, refs: Iterable[SampleRef]) -> int:
         """Count features an earlier run left in the store as in flight (a resumed stream).
@@ -264,6 +290,7 @@ class WindowQueue:
             raise ValueError(f"window request of attempt {attempt} before rewind(attempt={attempt}) was called")
         if step in self.windows:
             return True, self.windows[step]
+        self.check_failed()
         if step != self.next_step:
             raise ValueError(f"attempt {attempt} asked for step {step}, but the next window is step {self.next_step}; "
                              "ranks must ask for consecutive steps")
@@ -356,6 +383,7 @@ class WindowQueue:
     def stats(self) -> dict:
         return {
             "attempt": self.attempt, "quantum": self.quantum, "closed": self.closed, "ended": self.ended,
+            "failed": self.failed,
             "inflight": self.used_samples, "inflight_bytes": self.used_bytes,
             "peak_inflight": self.peak_samples, "peak_inflight_bytes": self.peak_bytes,
             "max_inflight": self.max_inflight, "max_inflight_bytes": self.max_inflight_bytes,
@@ -387,6 +415,7 @@ class _SampleBroker:
         self._waiting[kind] += 1
         try:
             while not ready():
+                self._queue.check_failed()
                 reason = self._stalled or self._queue.stall_reason(self._waiting["window"], self._waiting["reserve"])
                 if reason:
                     self._stalled = reason
@@ -429,6 +458,11 @@ class _SampleBroker:
     async def close(self) -> None:
         """End of stream: no more reservations; the final partial window will be released."""
         self._queue.close()
+        await self._notify()
+
+    async def fail(self, message: str) -> None:
+        """The producer failed with ``message``: wake every waiter with ``StreamFailedError`` (it beats a close)."""
+        self._queue.fail(message)
         await self._notify()
 
     async def next_window(self, attempt: int, step: int, timeout: float | None = None) -> Window | None:

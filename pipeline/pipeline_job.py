@@ -181,7 +181,7 @@ def _capture(cfg: PipelineConfig, report: PipelineReport, progress: bool, *, reu
 def _train_offline(cfg: PipelineConfig, manifest: str, report: PipelineReport, progress: bool) -> str:
     from specray.actors.trainer import run_trainer_gang
 
-    result = run_trainer_gang(cfg.train_job(manifest).train_spec(), num_workers=cfg.train.num_workers,
+    result = run_trainer_gang(cfg.train_job(manifest), num_workers=cfg.train.num_workers,
                               storage_path=cfg.train.storage or str(cfg.run_dir / "ray-train"),
                               max_failures=cfg.train.max_failures, cpus_per_worker=cfg.train.cpus_per_worker)
     report.train = _train_summary(cfg, result)
@@ -246,9 +246,13 @@ def _train_online(cfg: PipelineConfig, report: PipelineReport, progress: bool) -
     producer = _Producer(pool, broker, plan, progress, skip=dispatched)
     try:
         producer.start()
-        result = run_trainer_gang(train_job.train_spec(), num_workers=t.num_workers, storage_path=storage,
-                                  ledger_uri=ledger_uri, broker=broker,
-                                  max_failures=t.max_failures, cpus_per_worker=t.cpus_per_worker)
+        try:
+            result = run_trainer_gang(train_job, num_workers=t.num_workers, storage_path=storage,
+                                      ledger_uri=ledger_uri, broker=broker,
+                                      max_failures=t.max_failures, cpus_per_worker=t.cpus_per_worker)
+        except Exception:
+            producer.raise_error()  # a failed stream fails the gang: report the cause, not its echo
+            raise
         producer.check()
         stats = ray.get(broker.stats.remote(), timeout=60)
         checked = audit(Ledger(result.ledger_uri), source_ids=[s.sample_id for s in plan.samples],
@@ -306,7 +310,7 @@ class _Producer(threading.Thread):
         self.stop = threading.Event()
         self.error: BaseException | None = None
         self.stats: dict | None = None
-        self.reserved: dict[str, int] = {}
+        self.reserved: dict[str, tuple[int, int]] = {}  # batch id -> (samples, bytes) reserved, not yet offered
         self.batches = [(f"batch-{i:06d}", batch) for i, batch in enumerate(plan.batches)]
         # Batches keep their composition across runs (a sample's bytes depend on its batch's
         # padding); a resumed run writes only the samples no earlier run dispatched.
@@ -327,7 +331,7 @@ class _Producer(threading.Thread):
         while not ray.get(self.broker.reserve.remote(len(samples), num_bytes=estimate, timeout=2), timeout=60):
             if self.stop.is_set():
                 raise RuntimeError("the pipeline stopped while the producer waited for room in the broker")
-        self.reserved[batch_id] = estimate
+        self.reserved[batch_id] = (len(samples), estimate)
 
     def _deliver(self, batch_id: str, refs) -> None:
         import ray
@@ -336,7 +340,8 @@ class _Producer(threading.Thread):
             self.recaptured_samples += len(refs)
             ray.get(self.broker.recaptured.remote(refs), timeout=60)
         else:
-            ray.get(self.broker.offer.remote(refs, reserved_bytes=self.reserved.pop(batch_id)), timeout=60)
+            ray.get(self.broker.offer.remote(refs, reserved_bytes=self.reserved[batch_id][1]), timeout=60)
+            del self.reserved[batch_id]
 
     def _watch_lost(self) -> None:
         """Take lost samples from the broker and queue their batches for re-capture."""
@@ -353,7 +358,25 @@ class _Producer(threading.Thread):
                     batch_id, samples = self.batches[index]
                     self.pool.recapture((f"recapture-{self.recaptures}/{batch_id}", samples), only=ids)
         except BaseException as e:  # noqa: BLE001 - re-raised in the driver by check()
-            self.error = self.error or e
+            self._fail(e)
+
+    def _fail(self, error: BaseException) -> None:
+        """Fail the stream with ``error``: give back the room of batches never offered, wake every rank.
+
+        Not a close: a closed stream with reservations outstanding never cuts its final window,
+        and a closed one without would let the gang finish as if every sample had come. (When
+        the driver tore the run down first, the broker is gone already: nothing left to tell.)
+        """
+        import ray
+
+        self.error = self.error or error
+        try:
+            for batch_id, (samples, num_bytes) in list(self.reserved.items()):
+                ray.get(self.broker.cancel.remote(samples, num_bytes), timeout=60)
+                self.reserved.pop(batch_id, None)
+            ray.get(self.broker.fail.remote(f"{type(self.error).__name__}: {self.error}"), timeout=60)
+        except ray.exceptions.RayActorError:
+            pass
 
     def run(self) -> None:
         import ray
@@ -369,14 +392,7 @@ class _Producer(threading.Thread):
             # The stream is complete; keep capturing lost samples again until the gang is done.
             self.pool.run([], self._deliver, until=self.stop)
         except BaseException as e:  # noqa: BLE001 - re-raised in the driver by check()
-            self.error = e
-            # End the stream so the gang finishes what it has instead of waiting forever;
-            # check() then fails the run with this error. (When the driver tore the run
-            # down first, the broker is gone already: nothing left to tell.)
-            try:
-                ray.get(self.broker.close.remote(), timeout=60)
-            except ray.exceptions.RayActorError:
-                pass
+            self._fail(e)
         finally:
             self.stop.set()
             if watcher.is_alive():
@@ -388,9 +404,13 @@ class _Producer(threading.Thread):
         self.join(timeout=120)
         if self.is_alive():
             raise RuntimeError("the capture producer is still running after the trainer finished")
-        if self.error is not None:
-            raise RuntimeError(f"online capture failed: {self.error}") from self.error
+        self.raise_error()
         self.stats.update(recaptures=self.recaptures, recaptured_samples=self.recaptured_samples)
+
+    def raise_error(self) -> None:
+        """Raise the producer's error, if it failed (the cause of a gang failure it made)."""
+        if self.error is not None:
+            raise RuntimeError(f"online capture failed: {type(self.error).__name__}: {self.error}") from self.error
 
 
 def _serve(cfg: PipelineConfig, drafter_dir: str):

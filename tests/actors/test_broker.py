@@ -11,6 +11,7 @@ import pytest
 from specray.actors.broker import (
     BrokerStalledError,
     StaleAttemptError,
+    StreamFailedError,
     WindowQueue,
     start_sample_broker,
 )
@@ -268,3 +269,47 @@ def test_a_ref_whose_metadata_is_not_plain_json_is_refused(field, value, error):
     with pytest.raises(TypeError, match=error):
         queue.offer([_ref("b"), dataclasses.replace(_ref("a"), **{field: value})], reserved_bytes=200)
     assert queue.stats()["pending"] == 0 and queue.stats()["reserved"] == 2
+
+
+def test_a_producer_failure_beats_a_close_and_reaches_every_new_window_request():
+    queue = WindowQueue(2, max_inflight=8)
+    queue.rewind(0, quantum=2, world_size=2, step=0)
+    _offer(queue, "a", "b", "c")
+    first = queue.try_window(0, 1)[1]
+    assert queue.try_reserve(1, 100)  # a batch the producer was capturing when it failed
+    queue.close()
+    queue.fail("capture batch 'batch-000003' lost its actor 3 times")
+    queue.close()  # a close after the failure does not end the stream either
+    assert queue.try_window(0, 1) == (True, first)  # a window cut before the failure is the same for every rank
+    for _ in range(2):  # every rank asking for the next window learns why, not "end of stream"
+        with pytest.raises(StreamFailedError, match="the feature stream failed: capture batch 'batch-000003' lost"):
+            queue.try_window(0, 2)
+    with pytest.raises(StreamFailedError):
+        queue.try_reserve(1, 100)
+    queue.cancel(1, 100)  # the failed producer gives its room back
+    assert queue.stats()["reserved"] == 0 and queue.stats()["failed"].startswith("capture batch")
+    queue.fail("a later, unrelated error")
+    assert queue.stats()["failed"].startswith("capture batch")  # the first failure is the cause
+
+
+@pytest.mark.ray
+def test_actor_fail_wakes_every_rank_waiting_for_a_window_or_a_recapture(ray_cluster):
+    import ray
+
+    broker = start_sample_broker(2, max_inflight=8)
+    ray.get(broker.rewind.remote(0, quantum=2, world_size=2, step=0), timeout=60)
+    ray.get(broker.enable_recapture.remote(), timeout=30)
+    assert ray.get(broker.reserve.remote(3, num_bytes=300, timeout=0), timeout=30)
+    ray.get(broker.offer.remote([_ref("a")], reserved_bytes=100), timeout=30)
+    ray.get(broker.close.remote(), timeout=30)  # closed, but 2 reserved features never come: no final window
+    assert ray.get(broker.report_lost.remote([_ref("a")]), timeout=30)
+    waiting = [broker.next_window.remote(0, 1) for _ in range(2)]  # no timeout: the gang's own calls
+    waiting.append(broker.wait_recaptured.remote(["a"]))
+    assert ray.wait(waiting, num_returns=3, timeout=1.0)[0] == []  # what hung the run forever
+    started = time.monotonic()
+    ray.get(broker.fail.remote("RuntimeError: batch 'batch-000001' kills its actor"), timeout=30)
+    for request in waiting:
+        with pytest.raises(StreamFailedError, match="batch 'batch-000001' kills its actor"):
+            ray.get(request, timeout=30)
+    assert time.monotonic() - started < 10
+    ray.kill(broker)

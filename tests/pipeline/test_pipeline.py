@@ -200,3 +200,52 @@ def test_a_run_dir_not_made_by_a_pipeline_is_never_replaced(tmp_path):
     with pytest.raises(FileExistsError, match="not made by specray pipeline"):
         run_pipeline(cfg, progress=False)
     assert (precious / "notes.txt").read_text() == "keep me"
+
+
+def test_online_capture_failure_ends_the_run_promptly_with_its_error(ray_cluster, tmp_path, monkeypatch):
+    """The producer fails with reserved room outstanding: the gang must not wait for it forever."""
+    import ray
+
+    from specray.actors import broker as broker_module
+    from specray.pipeline import pipeline_job
+    from specray.pipeline.pipeline_job import run_pipeline
+
+    deliver, start_broker = pipeline_job._Producer._deliver, broker_module.start_sample_broker
+    delivered, brokers = [], []
+
+    def offer_fails_on_the_second_batch(self, batch_id, refs):
+        delivered.append(batch_id)
+        if len(delivered) == 2:
+            raise RuntimeError("injected: the broker refused an offer")
+        deliver(self, batch_id, refs)
+
+    def recorded_broker(*args, **kwargs):
+        brokers.append(start_broker(*args, **kwargs))
+        return brokers[-1]
+
+    monkeypatch.setattr(pipeline_job._Producer, "_deliver", offer_fails_on_the_second_batch)
+    monkeypatch.setattr(broker_module, "start_sample_broker", recorded_broker)
+    cfg = load_config(PipelineConfig, "manifests/online.yaml", [
+        *TINY, "data.max_samples=16", "online.max_inflight_samples=8", "serve.enabled=false", "bench.enabled=false",
+        f"output.run_dir={tmp_path / 'online'}",
+    ])
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append(run_pipeline(cfg, progress=False))
+        except BaseException as e:  # noqa: BLE001 - checked below
+            outcome.append(e)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    runner.join(timeout=240)
+    hung = runner.is_alive()
+    if hung:  # free the cluster for the next tests: without its broker the gang fails and the run ends
+        for broker in brokers:
+            ray.kill(broker)
+        runner.join(timeout=300)
+    assert not hung, "the run waited for the failed producer instead of ending"
+    assert len(delivered) >= 2, "the injected failure never happened: nothing was tested"
+    assert isinstance(outcome[0], RuntimeError), outcome[0]
+    assert "online capture failed: RuntimeError: injected: the broker refused an offer" in str(outcome[0])
