@@ -181,7 +181,7 @@ def _capture(cfg: PipelineConfig, report: PipelineReport, progress: bool, *, reu
 def _train_offline(cfg: PipelineConfig, manifest: str, report: PipelineReport, progress: bool) -> str:
     from specray.actors.trainer import run_trainer_gang
 
-    result = run_trainer_gang(cfg.train_job(manifest), num_workers=cfg.train.num_workers,
+    result = run_trainer_gang(cfg.train_job(manifest).train_spec(), num_workers=cfg.train.num_workers,
                               storage_path=cfg.train.storage or str(cfg.run_dir / "ray-train"),
                               max_failures=cfg.train.max_failures, cpus_per_worker=cfg.train.cpus_per_worker)
     report.train = _train_summary(cfg, result)
@@ -247,7 +247,7 @@ def _train_online(cfg: PipelineConfig, report: PipelineReport, progress: bool) -
     try:
         producer.start()
         try:
-            result = run_trainer_gang(train_job, num_workers=t.num_workers, storage_path=storage,
+            result = run_trainer_gang(train_job.train_spec(), num_workers=t.num_workers, storage_path=storage,
                                       ledger_uri=ledger_uri, broker=broker,
                                       max_failures=t.max_failures, cpus_per_worker=t.cpus_per_worker)
         except Exception:
