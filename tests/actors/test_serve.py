@@ -1,6 +1,7 @@
 """Ray Serve replicas through the real ``openai`` client: completions, chat, streaming, concurrent
-clients, a hot-load under load with no failed request, a refused bad version, and a killed
-replica replaced. One Serve app (debug target, file:// registry) is shared by the module."""
+clients, a hot-load under load with no failed request, a refused bad version, and a replica
+replaced when it was killed or its engine loop stopped. One Serve app (debug target, file://
+registry) is shared by the module."""
 
 import json
 import threading
@@ -175,6 +176,36 @@ def test_a_killed_replica_is_replaced(served):
     assert len(names) == 1
     ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
     after = _wait_for(lambda: (h := _get(f"{handle.url}/health"))["replica"] != before and h, 240, "a new replica")
+    assert after["status"] == "ok"
+    reply = client.completions.create(model=handle.model, prompt="Once upon a time", **GREEDY)
+    assert reply.usage.completion_tokens == 12
+
+
+def test_a_replica_whose_engine_loop_stopped_is_replaced(served):
+    """check_health fails once the engine loop thread is gone; Serve replaces that replica."""
+    import ray
+
+    def stop_engine_loops(replica_actor) -> int:
+        """Runs inside the replica's process (pickled by value, being local): stop its EngineLoop
+        thread as a crash would; the actor and its HTTP app stay up, only check_health can tell."""
+        import gc
+
+        from specray.serving.engine import EngineLoop
+
+        gc.unfreeze()  # Ray workers freeze their GC, and frozen objects are not in gc.get_objects()
+        loops = [o for o in gc.get_objects() if isinstance(o, EngineLoop) and o.alive]
+        for loop in loops:
+            loop.stop(timeout=30)
+        return len(loops)
+
+    handle, client, _, _ = served
+    before = _get(f"{handle.url}/health")["replica"]
+    (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+               if a["name"].startswith("SERVE_REPLICA::") and handle.app_name in a["name"] and before in a["name"]]
+    replica = ray.get_actor(name, namespace="serve")
+    assert ray.get(replica.__ray_call__.remote(stop_engine_loops), timeout=60) == 1
+    after = _wait_for(lambda: (h := _get(f"{handle.url}/health"))["replica"] != before and h, 240,
+                      "Serve to replace the replica whose engine loop stopped")
     assert after["status"] == "ok"
     reply = client.completions.create(model=handle.model, prompt="Once upon a time", **GREEDY)
     assert reply.usage.completion_tokens == 12
