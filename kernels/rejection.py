@@ -1,24 +1,36 @@
-"""Speculative verification (accept / reject / correction / bonus) for a ragged batch of requests.
+"""Speculative verification (accept / reject / correction / bonus) of a mixed, ragged batch.
 
-Notation (DESIGN.md §2). Request ``r`` fed the target ``[a, d_1 .. d_n]``: the anchor ``a`` and
-``n = num_draft[r] <= m`` draft tokens (rows padded to ``m``). The target scored ``M = m + 1``
-rows: row ``j`` (0-based) is ``p_j``, the target distribution at the position of draft
-``d_{j+1}``, and row ``n`` is the bonus row. With ``k`` the accepted draft prefix length
-(``0 <= k <= n``; DESIGN calls it ``r``, renamed here because ``r`` indexes requests) the round
-emits ``[d_1 .. d_k, x*]``: ``x*`` is the *correction* drawn at the first rejected row ``k``,
-or the *bonus* drawn from row ``n`` when every draft was accepted, so ``num_emitted = k + 1``.
+Notation (DESIGN.md §2). Request ``r`` fed the target ``[a, d_1 .. d_n]``: its anchor and
+``n = n_r`` draft tokens, so the target scored ``n + 1`` rows: row ``j`` (0-based) is ``p_j``,
+the target at the position of draft ``d_{j+1}``, and row ``n`` is the bonus row. With ``k``
+the accepted draft prefix length (``0 <= k <= n``; DESIGN calls it ``r``, renamed here because
+``r`` indexes requests) the round emits ``[d_1 .. d_k, x*]``: ``x*`` is the *correction* drawn
+at the first rejected row ``k``, or the *bonus* drawn from row ``n`` when every draft was
+accepted, so ``num_emitted = k + 1``.
 
-- Greedy (``draft_probs=None``): accept ``d_{j+1}`` while ``d_{j+1} == argmax p_j``; ``x*``
-  is the argmax of row ``k``. Ties go to the lowest token id, as in ``torch.argmax``. Only the
-  argmax of each row is read, so the target's logits may be passed instead of ``p``: that skips
-  a softmax over the vocabulary per row, and is exactly the argmax plain greedy decoding takes
-  (a float32 softmax can round two nearly equal top logits to one probability, a tie).
+Ragged layout (STYLE rule 6): requests are flattened one after another. ``cu_num_draft``
+``[R + 1]`` holds cumulative draft counts: request ``r``'s drafts are
+``draft_token_ids[cu[r] : cu[r + 1]]`` and its ``n_r + 1`` verify rows are
+``target[cu[r] + r : cu[r + 1] + r + 1]``. Example, n = [3, 1]: ``cu_num_draft = [0, 3, 4]``,
+drafts ``[d1 d2 d3 | e1]``, rows ``[a d1 d2 d3 | b e1]`` -> rows 0..3 and 4..5. The output
+uses the rows' layout: each request's accepted drafts, then ``x*``, then ``-1``.
+
+Each request verifies by its own rule (``greedy[r]``), all in one call:
+
+- Greedy: accept ``d_{j+1}`` while ``d_{j+1} == argmax p_j``; ``x*`` is the argmax of row
+  ``k``. Ties go to the lowest token id, as in ``torch.argmax``. Only the argmax of each row is
+  read, so a greedy request passes the target's logits instead of ``p``: that skips a softmax
+  over the vocabulary per row, and is exactly the argmax plain greedy decoding takes (a float32
+  softmax can round two nearly equal top logits to one probability, a tie).
 - Sampling: accept ``d_{j+1}`` iff ``u_j * q_j(d_{j+1}) < p_j(d_{j+1})`` (``u < min(1, p/q)``,
-  ``q_j`` being row ``j`` of ``draft_probs``, the distribution ``d_{j+1}`` was drawn from); the
-  correction is drawn from ``norm([p_k - q_k]+)``, the bonus from ``p_n``. A draw is the
-  exponential race ``argmax_v w_v / E_v`` with ``E_v`` i.i.d. Exp(1), which picks ``v`` with
-  probability ``w_v / sum(w)``; given ``uniforms`` and ``exponentials`` the result is exact
-  and deterministic. A residual that is all zero (only through rounding) falls back to ``p_k``.
+  ``q_j`` the row of ``draft_probs`` that ``d_{j+1}`` was drawn from); the correction is drawn
+  from ``norm([p_k - q_k]+)``, the bonus from ``p_n``. A draw is the exponential race
+  ``argmax_v w_v / E_v`` with ``E_v`` i.i.d. Exp(1), which picks ``v`` with probability
+  ``w_v / sum(w)``; given ``uniforms`` and ``exponentials`` the result is exact and
+  deterministic. A residual that is all zero (only through rounding) falls back to ``p_k``.
+
+Rows must be free of NaN (the serving workers fail a request whose logits are not finite
+before verifying it, ``serving/verify.py``).
 
 Why this is lossless (seed §1.2, DESIGN.md §6): for ``d ~ q`` the accept branch contributes mass
 ``q(v) min(1, p(v)/q(v)) = min(p(v), q(v))`` to token ``v``; the reject branch has probability
@@ -40,6 +52,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -49,117 +62,144 @@ PAD_ID = -1  # output slots past num_emitted
 
 
 def rejection_sample_reference(
-    target_probs: torch.Tensor,  # [R, M, V] float32
-    draft_token_ids: torch.Tensor,  # [R, m] int64
-    num_draft: torch.Tensor,  # [R] int32 / int64, each in [0, m]
-    draft_probs: torch.Tensor | None,  # [R, m, V] float32, None = greedy
-    uniforms: torch.Tensor | None,  # [R, m] float32 in [0, 1), unused when greedy
-    exponentials: torch.Tensor | None,  # [R, V] float32 Exp(1), unused when greedy
+    target: torch.Tensor,  # [num_rows, V] float32: logits (greedy request) or p (sampled)
+    draft_token_ids: torch.Tensor,  # [num_drafts] int64, num_drafts = num_rows - R
+    cu_num_draft: torch.Tensor,  # [R + 1] int32 / int64, cu[0] = 0
+    greedy: torch.Tensor,  # [R] bool
+    draft_probs: torch.Tensor | None,  # [num_drafts, V] float32; None when every request is greedy
+    uniforms: torch.Tensor | None,  # [num_drafts] float32 in [0, 1); None when every request is greedy
+    exponentials: torch.Tensor | None,  # [R, V] float32 Exp(1); None when every request is greedy
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-torch verification; returns ``(output_token_ids [R, M] int64, num_emitted [R] int64)``.
+    """Plain-torch verification; returns ``(output_token_ids [num_rows] int64, num_emitted [R] int64)``.
 
-    Inputs are assumed valid (``rejection_sample`` checks them). Example, m = 3, greedy:
+    Inputs are assumed valid (``rejection_sample`` checks them). Example, one greedy request,
     drafts ``[5, 7, 2]``, row argmaxes ``[5, 7, 9, 4]`` -> output ``[5, 7, 9, -1]``, emitted 3.
     """
-    R, M, V = target_probs.shape
-    m = M - 1
-    rows = torch.arange(R, device=target_probs.device)
-    num_draft = num_draft.long()
-    output = torch.full((R, M), PAD_ID, dtype=torch.int64, device=target_probs.device)
-    accepting = torch.ones(R, dtype=torch.bool, device=target_probs.device)
-    num_accepted = torch.zeros(R, dtype=torch.int64, device=target_probs.device)
-    for j in range(m):
-        live = accepting & (j < num_draft)
-        d = torch.where(live, draft_token_ids[:, j], 0)  # padding slots may hold anything
-        if draft_probs is None:
-            ok = d == target_probs[:, j].argmax(-1)
-        else:
-            ok = uniforms[:, j] * draft_probs[rows, j, d] < target_probs[rows, j, d]
+    num_rows, V = target.shape
+    R, device = len(greedy), target.device
+    cu = cu_num_draft.long()
+    n, first_draft = cu[1:] - cu[:-1], cu[:-1]  # [R] drafts per request, index of its first draft
+    first_row = first_draft + torch.arange(R, device=device)  # [R] its anchor's row
+    output = torch.full((num_rows,), PAD_ID, dtype=torch.int64, device=device)
+    accepting = torch.ones(R, dtype=torch.bool, device=device)
+    k = torch.zeros(R, dtype=torch.int64, device=device)  # accepted drafts so far
+    sampled = draft_probs is not None
+    for j in range(int(n.max()) if R else 0):
+        live = accepting & (j < n)
+        at = torch.where(live, first_draft + j, 0)  # [R] draft index (0 for requests past their drafts)
+        p = target[torch.where(live, first_row + j, 0)]  # [R, V]
+        d = torch.where(live, draft_token_ids[at], 0)
+        ok = d == p.argmax(-1)
+        if sampled:
+            p_d, q_d = p.gather(1, d[:, None])[:, 0], draft_probs[at, d]
+            ok = torch.where(greedy, ok, uniforms[at] * q_d < p_d)
         accepting = live & ok
-        output[:, j] = torch.where(accepting, d, PAD_ID)
-        num_accepted += accepting.long()
+        output[(first_row + j)[accepting]] = d[accepting]
+        k += accepting.long()
 
-    p = target_probs[rows, num_accepted]  # [R, V]: the rejected row, or the bonus row n
-    if draft_probs is None:
-        token = p.argmax(-1)
-    else:
-        is_correction = (num_accepted < num_draft)[:, None]
+    p = target[first_row + k]  # [R, V]: the rejected row, or the bonus row n
+    token = p.argmax(-1)
+    if sampled:
         w = p
-        if m > 0:
-            q = draft_probs[rows, num_accepted.clamp(max=m - 1)]  # [R, V], only used on rejection
-            w = torch.where(is_correction, (p - q).clamp_min(0.0), p)
+        if len(draft_token_ids):
+            q = draft_probs[(first_draft + k).clamp(max=len(draft_token_ids) - 1)]  # [R, V], read on rejection
+            w = torch.where((k < n)[:, None], (p - q).clamp_min(0.0), p)
         w = torch.where(w.amax(-1, keepdim=True) > 0, w, p)  # residual lost to rounding -> p
-        token = (w / exponentials).argmax(-1)
-    output[rows, num_accepted] = token
-    return output, num_accepted + 1
+        token = torch.where(greedy, token, (w / exponentials).argmax(-1))
+    output[first_row + k] = token
+    return output, k + 1
 
 
 def rejection_sample(
-    target_probs: torch.Tensor,  # [R, M, V] float32
-    draft_token_ids: torch.Tensor,  # [R, m] int64
-    num_draft: torch.Tensor,  # [R] int32 / int64
-    draft_probs: torch.Tensor | None = None,  # [R, m, V] float32; None = greedy
-    uniforms: torch.Tensor | None = None,  # [R, m] float32; drawn from `generator` if None
-    exponentials: torch.Tensor | None = None,  # [R, V] float32; drawn from `generator` if None
+    target: torch.Tensor,  # [num_rows, V] float32, num_rows = num_drafts + R
+    draft_token_ids: torch.Tensor,  # [num_drafts] int64
+    cu_num_draft: torch.Tensor,  # [R + 1] int32 / int64
+    greedy: torch.Tensor,  # [R] bool
+    draft_probs: torch.Tensor | None = None,  # [num_drafts, V] float32; read for sampled requests only
+    uniforms: torch.Tensor | None = None,  # [num_drafts] float32; drawn if None
+    exponentials: torch.Tensor | None = None,  # [R, V] float32; drawn if None
     *,
-    generator: torch.Generator | None = None,
+    generators: Sequence[torch.Generator | None] | None = None,  # [R]; None for greedy requests
     use_triton: bool | None = None,
     block_v: int = 1024,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Verify ``num_draft[r]`` drafts per request; see the module docstring for the rule.
+    """Verify every request's drafts, each by its own rule, in one call (module docstring).
 
-    Returns ``(output_token_ids [R, M] int64, num_emitted [R] int64)``: the accepted drafts, then
-    the correction or bonus token, then ``-1``. Missing ``uniforms`` then ``exponentials`` are
-    drawn (in that order) from ``generator``. ``use_triton=None`` runs the Triton kernel for CUDA
-    tensors and the reference otherwise; ``block_v`` is the kernel's vocabulary chunk.
+    Returns ``(output_token_ids [num_rows] int64, num_emitted [R] int64)`` in the rows' layout:
+    request r's accepted drafts, then its correction or bonus token, then ``-1``. For sampled
+    requests (``greedy[r]`` False) ``draft_probs`` is required; their missing ``uniforms`` then
+    ``exponentials`` are drawn request by request from ``generators[r]`` (its ``n_r``
+    uniforms, then ``V`` exponentials; a generator None draws from torch's default one).
+    Greedy requests read none of these (their rows of them may hold anything).
+    ``use_triton=None`` runs the Triton kernel for CUDA tensors and the reference otherwise;
+    ``block_v`` is the kernel's vocabulary chunk.
     """
-    greedy = draft_probs is None
-    if greedy and (uniforms is not None or exponentials is not None or generator is not None):
-        warnings.warn("rejection_sample: greedy verification (draft_probs=None) ignores "
-                      "uniforms, exponentials and generator", stacklevel=2)
-    _check(isinstance(target_probs, torch.Tensor) and target_probs.dim() == 3
-           and min(target_probs.shape[1:]) >= 1,
-           f"target_probs must be a [R, M >= 1, V >= 1] tensor, got {getattr(target_probs, 'shape', None)}")
-    R, M, V = target_probs.shape
-    if not greedy:
-        uniforms, exponentials = _draw_missing(target_probs, uniforms, exponentials, generator)
-    _check_inputs(target_probs, draft_token_ids, num_draft, draft_probs, uniforms, exponentials)
+    _check(isinstance(target, torch.Tensor) and target.dim() == 2 and target.shape[1] >= 1,
+           f"target must be a [num_rows, V >= 1] tensor, got {getattr(target, 'shape', None)}")
+    _check(isinstance(greedy, torch.Tensor) and greedy.dim() == 1 and greedy.dtype == torch.bool,
+           f"greedy must be a [R] bool tensor, got {getattr(greedy, 'shape', None)} {getattr(greedy, 'dtype', None)}")
+    R = len(greedy)
+    generators = [None] * R if generators is None else list(generators)
+    _check(len(generators) == R, f"generators must hold one entry per request ({R}), got {len(generators)}")
+    _check_layout(target, draft_token_ids, cu_num_draft, greedy)
+    is_greedy = greedy.tolist()
+    if any(g is not None for g, gr in zip(generators, is_greedy) if gr) or (
+            all(is_greedy) and (uniforms is not None or exponentials is not None)):
+        warnings.warn("rejection_sample: greedy requests ignore uniforms, exponentials and generators", stacklevel=2)
+    if all(is_greedy):
+        draft_probs = uniforms = exponentials = None
+    else:
+        uniforms, exponentials = _draw_missing(target, cu_num_draft, is_greedy, uniforms, exponentials, generators)
+        _check_sampling(target, draft_token_ids, cu_num_draft, greedy, draft_probs, uniforms, exponentials)
 
     if use_triton is None:
-        use_triton = target_probs.is_cuda
+        use_triton = target.is_cuda
     if not use_triton:
-        return rejection_sample_reference(
-            target_probs, draft_token_ids, num_draft, draft_probs, uniforms, exponentials)
-    if not target_probs.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return rejection_sample_reference(target, draft_token_ids, cu_num_draft, greedy, draft_probs, uniforms,
+                                          exponentials)
+    if not target.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("use_triton=True needs CUDA tensors, or TRITON_INTERPRET=1 set before "
                          "triton is imported; use use_triton=None to run the reference on CPU")
     if block_v < 16 or block_v & (block_v - 1):
         raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
+    return _launch(target, draft_token_ids, cu_num_draft, greedy, draft_probs, uniforms, exponentials, block_v)
 
+
+def _launch(target, draft_token_ids, cu_num_draft, greedy, draft_probs, uniforms, exponentials, block_v):
+    (num_rows, V), R = target.shape, len(greedy)
     sentinel = -999  # every slot is overwritten by the kernel; a leftover -999 is a kernel bug
-    output = torch.full((R, M), sentinel, dtype=torch.int64, device=target_probs.device)
-    num_emitted = torch.full((R,), sentinel, dtype=torch.int64, device=target_probs.device)
+    output = torch.full((num_rows,), sentinel, dtype=torch.int64, device=target.device)
+    num_emitted = torch.full((R,), sentinel, dtype=torch.int64, device=target.device)
     if R == 0:
         return output, num_emitted
-    dummy = target_probs  # never read when IS_GREEDY
+    max_n = int((cu_num_draft[1:] - cu_num_draft[:-1]).max())
     _rejection_sample_kernel[(R,)](
-        output, num_emitted, target_probs, draft_token_ids, num_draft,
-        dummy if greedy else draft_probs, dummy if greedy else uniforms,
-        dummy if greedy else exponentials, M - 1, V,
-        IS_GREEDY=greedy, BLOCK_V=min(block_v, max(16, triton.next_power_of_2(V))),
-        BLOCK_M=max(16, triton.next_power_of_2(M)),
+        output, num_emitted, target, draft_token_ids if len(draft_token_ids) else output, cu_num_draft, greedy,
+        target if draft_probs is None else draft_probs, target if uniforms is None else uniforms,
+        target if exponentials is None else exponentials, V,  # dummies are never read: no request samples
+        BLOCK_V=min(block_v, max(16, triton.next_power_of_2(V))), BLOCK_M=max(16, triton.next_power_of_2(max_n + 1)),
     )
     return output, num_emitted
 
 
-def _draw_missing(target_probs, uniforms, exponentials, generator):
-    R, M, V = target_probs.shape
-    f32, device = torch.float32, target_probs.device
-    if uniforms is None:
-        uniforms = torch.rand((R, M - 1), generator=generator, device=device, dtype=f32)
-    if exponentials is None:
-        exponentials = torch.empty((R, V), device=device, dtype=f32).exponential_(generator=generator)
-        exponentials.clamp_min_(torch.finfo(f32).tiny)  # an exact 0 would make w / E inf or nan
+def _draw_missing(target, cu_num_draft, is_greedy, uniforms, exponentials, generators):
+    """Per sampled request r, from ``generators[r]`` on its device: n_r uniforms, then V exponentials."""
+    (num_rows, V), R = target.shape, len(is_greedy)
+    f32, device = torch.float32, target.device
+    draw_u, draw_e = uniforms is None, exponentials is None
+    if draw_u:
+        uniforms = torch.zeros(num_rows - R, dtype=f32, device=device)
+    if draw_e:
+        exponentials = torch.ones((R, V), dtype=f32, device=device)
+    cu = cu_num_draft.tolist()
+    for r in (r for r in range(R) if not is_greedy[r]):
+        g = generators[r]
+        at = device if g is None else g.device
+        if draw_u:
+            uniforms[cu[r] : cu[r + 1]] = torch.rand(cu[r + 1] - cu[r], generator=g, device=at, dtype=f32)
+        if draw_e:
+            e = torch.empty(V, device=at, dtype=f32).exponential_(generator=g)
+            exponentials[r] = e.clamp_min_(torch.finfo(f32).tiny)  # an exact 0 would make w / E inf or nan
     return uniforms, exponentials
 
 
@@ -173,44 +213,52 @@ def _check_tensor(name: str, t: object, shape: tuple[int, ...], dtypes: tuple[to
     _check(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
     _check(tuple(t.shape) == shape, f"{name} must have shape {list(shape)}, got {list(t.shape)}")
     _check(t.dtype in dtypes, f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
-    _check(t.device == device, f"{name} is on {t.device} but target_probs is on {device}")
+    _check(t.device == device, f"{name} is on {t.device} but target is on {device}")
     _check(t.is_contiguous(), f"{name} must be contiguous; call .contiguous() first")
 
 
-def _check_inputs(target_probs, draft_token_ids, num_draft, draft_probs, uniforms, exponentials) -> None:
-    R, M, V = target_probs.shape  # the wrapper checked it is 3-D with M, V >= 1
-    m, device = M - 1, target_probs.device
-    _check_tensor("target_probs", target_probs, (R, M, V), (torch.float32,), device)
-    _check_tensor("draft_token_ids", draft_token_ids, (R, m), (torch.int64,), device)
-    _check_tensor("num_draft", num_draft, (R,), (torch.int32, torch.int64), device)
-    if R == 0:
-        return
-    _check(bool((num_draft >= 0).all() and (num_draft <= m).all()),
-           f"num_draft must lie in [0, m={m}], got min {int(num_draft.min())} max {int(num_draft.max())}")
-    proposed = torch.arange(m, device=device) < num_draft[:, None]  # [R, m]: real drafts, not padding
-    ids = draft_token_ids[proposed]
-    _check(bool(((ids >= 0) & (ids < V)).all()), f"proposed draft_token_ids must lie in [0, V={V})")
-    if draft_probs is None:
-        return
-    _check_tensor("draft_probs", draft_probs, (R, m, V), (torch.float32,), device)
-    _check_tensor("uniforms", uniforms, (R, m), (torch.float32,), device)
+def _check_layout(target, draft_token_ids, cu_num_draft, greedy) -> None:
+    (num_rows, V), R, device = target.shape, len(greedy), target.device
+    _check(num_rows >= R, f"target has {num_rows} rows, fewer than one per request (R = {R})")
+    num_drafts = num_rows - R
+    _check_tensor("target", target, (num_rows, V), (torch.float32,), device)
+    _check_tensor("greedy", greedy, (R,), (torch.bool,), device)
+    _check_tensor("cu_num_draft", cu_num_draft, (R + 1,), (torch.int32, torch.int64), device)
+    _check_tensor("draft_token_ids", draft_token_ids, (num_drafts,), (torch.int64,), device)
+    n = cu_num_draft[1:] - cu_num_draft[:-1]
+    _check(int(cu_num_draft[0]) == 0 and bool((n >= 0).all()) and int(cu_num_draft[-1]) == num_drafts,
+           f"cu_num_draft must rise from 0 to num_drafts = num_rows - R = {num_drafts}, got {cu_num_draft.tolist()}")
+    _check(bool(((draft_token_ids >= 0) & (draft_token_ids < V)).all()), f"draft_token_ids must lie in [0, V={V})")
+
+
+def _check_sampling(target, draft_token_ids, cu_num_draft, greedy, draft_probs, uniforms, exponentials) -> None:
+    (num_rows, V), R, device = target.shape, len(greedy), target.device
+    num_drafts = num_rows - R
+    _check(draft_probs is not None, "draft_probs is required when a request samples (greedy[r] False): "
+           "the distribution its drafts were drawn from")
+    _check_tensor("draft_probs", draft_probs, (num_drafts, V), (torch.float32,), device)
+    _check_tensor("uniforms", uniforms, (num_drafts,), (torch.float32,), device)
     _check_tensor("exponentials", exponentials, (R, V), (torch.float32,), device)
-    _check(bool(((uniforms >= 0) & (uniforms < 1)).all()), "uniforms must lie in [0, 1)")
-    _check(bool((exponentials > 0).all()), "exponentials must be > 0 (i.i.d. Exp(1) samples)")
-    q_d = draft_probs.gather(2, torch.where(proposed, draft_token_ids, 0)[..., None])[..., 0]
-    bad = (proposed & ~(q_d > 0)).nonzero()  # [num_bad, 2]: (request, position)
-    _check(len(bad) == 0, f"draft_probs gives q = 0 to a proposed draft token at (request, position) "
-           f"{bad[:1].tolist()}: q must be the distribution the drafts were actually sampled from")
+    owner = torch.repeat_interleave(torch.arange(R, device=device), cu_num_draft[1:] - cu_num_draft[:-1])
+    sampled = ~greedy[owner]  # [num_drafts]: drafts of sampled requests
+    u = uniforms[sampled]
+    _check(bool(((u >= 0) & (u < 1)).all()), "uniforms must lie in [0, 1)")
+    _check(bool((exponentials[~greedy] > 0).all()), "exponentials must be > 0 (i.i.d. Exp(1) samples)")
+    q_d = draft_probs.gather(1, draft_token_ids[:, None])[:, 0]
+    bad = (sampled & ~(q_d > 0)).nonzero()[:, 0]  # [num_bad] draft indices
+    _check(len(bad) == 0, f"draft_probs gives q = 0 to draft {bad[:1].tolist()} (of request "
+           f"{owner[bad[:1]].tolist()}): q must be the distribution the drafts were actually sampled from")
 
 
 @triton.jit
 def _row_argmax(row_ptr, V, BLOCK_V: tl.constexpr):
-    """Lowest index of the maximum of ``row[0:V]``, scanned in BLOCK_V chunks."""
-    best = tl.full([], -1.0, tl.float32)
+    """Lowest index of the maximum of ``row[0:V]`` (as ``torch.argmax``), scanned in BLOCK_V chunks.
+    Starts from and pads with -inf, so any finite maximum (also one <= -1) wins."""
+    best = tl.full([], float("-inf"), tl.float32)
     best_idx = tl.full([], 0, tl.int32)
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + tl.arange(0, BLOCK_V)
-        x = tl.load(row_ptr + offs, mask=offs < V, other=-1.0)
+        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf"))
         blk_best = tl.max(x, axis=0)
         blk_idx = tl.argmax(x, axis=0, tie_break_left=True) + v0
         better = blk_best > best  # strict: an earlier chunk keeps ties
@@ -222,12 +270,12 @@ def _row_argmax(row_ptr, V, BLOCK_V: tl.constexpr):
 @triton.jit
 def _race_draw(p_ptr, q_ptr, e_ptr, is_correction, V, BLOCK_V: tl.constexpr):
     """``argmax_v w_v / E_v`` with w = [p - q]+ (correction) or p (bonus); w all zero -> p."""
-    best_w = tl.full([], -1.0, tl.float32)
+    best_w = tl.full([], -1.0, tl.float32)  # ratios are >= 0; -1 marks padding
     idx_w = tl.full([], 0, tl.int32)
     max_w = tl.full([], 0.0, tl.float32)
     best_p = tl.full([], -1.0, tl.float32)
     idx_p = tl.full([], 0, tl.int32)
-    q_len = tl.where(is_correction, V, 0)  # the bonus row n has no q row (row m is out of bounds)
+    q_len = tl.where(is_correction, V, 0)  # the bonus row n has no q row (it may lie out of bounds)
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + tl.arange(0, BLOCK_V)
         mask = offs < V
@@ -251,47 +299,47 @@ def _race_draw(p_ptr, q_ptr, e_ptr, is_correction, V, BLOCK_V: tl.constexpr):
 
 @triton.jit
 def _rejection_sample_kernel(
-    output_ptr,  # [R, M] int64, every slot written
+    output_ptr,  # [num_rows] int64, every slot written
     num_emitted_ptr,  # [R] int64
-    target_probs_ptr,  # [R, M, V] float32
-    draft_token_ids_ptr,  # [R, m] int64
-    num_draft_ptr,  # [R] int32 / int64
-    draft_probs_ptr,  # [R, m, V] float32 (unused when IS_GREEDY)
-    uniforms_ptr,  # [R, m] float32 (unused when IS_GREEDY)
-    exponentials_ptr,  # [R, V] float32 (unused when IS_GREEDY)
-    m,
+    target_ptr,  # [num_rows, V] float32
+    draft_token_ids_ptr,  # [num_drafts] int64
+    cu_num_draft_ptr,  # [R + 1] int32 / int64
+    greedy_ptr,  # [R] bool
+    draft_probs_ptr,  # [num_drafts, V] float32 (read for sampled requests only)
+    uniforms_ptr,  # [num_drafts] float32 (sampled only)
+    exponentials_ptr,  # [R, V] float32 (sampled only)
     V,
-    IS_GREEDY: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    BLOCK_M: tl.constexpr,  # >= M = m + 1
+    BLOCK_M: tl.constexpr,  # >= max_r n_r + 1
 ):
-    r = tl.program_id(0).to(tl.int64)  # one program per request; int64 offsets for big R*M*V
-    M = m + 1
-    n = tl.load(num_draft_ptr + r).to(tl.int32)
-    p_req = target_probs_ptr + r * M * V
-    q_req = draft_probs_ptr + r * m * V
+    r = tl.program_id(0).to(tl.int64)  # one program per request; int64 offsets for big rows * V
+    first_draft = tl.load(cu_num_draft_ptr + r).to(tl.int64)
+    n = (tl.load(cu_num_draft_ptr + r + 1) - first_draft).to(tl.int32)
+    first_row = first_draft + r  # the anchor's row: request r's rows are first_row .. first_row + n
+    p_req = target_ptr + first_row * V
+    is_greedy = tl.load(greedy_ptr + r)
     accepting = tl.full([], 1, tl.int32)
     num_accepted = tl.full([], 0, tl.int32)
     for j in range(0, n):  # no break in Triton: `accepting` drops to 0 at the first rejection
-        d = tl.load(draft_token_ids_ptr + r * m + j)
-        if IS_GREEDY:
+        d = tl.load(draft_token_ids_ptr + first_draft + j)
+        if is_greedy:
             ok = d == _row_argmax(p_req + j * V, V, BLOCK_V).to(tl.int64)
         else:
-            u = tl.load(uniforms_ptr + r * m + j)
-            ok = u * tl.load(q_req + j * V + d) < tl.load(p_req + j * V + d)
+            u = tl.load(uniforms_ptr + first_draft + j)
+            ok = u * tl.load(draft_probs_ptr + (first_draft + j) * V + d) < tl.load(p_req + j * V + d)
         accepting = accepting & ok.to(tl.int32)
         num_accepted += accepting
 
     # Row num_accepted is the rejected row (correction) or row n (bonus).
-    if IS_GREEDY:
+    if is_greedy:
         token = _row_argmax(p_req + num_accepted * V, V, BLOCK_V)
     else:
-        token = _race_draw(p_req + num_accepted * V, q_req + num_accepted * V,
+        token = _race_draw(p_req + num_accepted * V, draft_probs_ptr + (first_draft + num_accepted) * V,
                            exponentials_ptr + r * V, num_accepted < n, V, BLOCK_V)
 
-    # [d1 .. dk, x*, -1 ..]: e.g. k = 2, M = 4 -> [d1, d2, x*, -1]
+    # [d1 .. dk, x*, -1 ..] over the request's n + 1 rows: e.g. k = 2, n = 3 -> [d1, d2, x*, -1]
     offs = tl.arange(0, BLOCK_M)
-    drafts = tl.load(draft_token_ids_ptr + r * m + offs, mask=offs < num_accepted, other=-1)
+    drafts = tl.load(draft_token_ids_ptr + first_draft + offs, mask=offs < num_accepted, other=-1)
     out = tl.where(offs == num_accepted, token.to(tl.int64), drafts)
-    tl.store(output_ptr + r * M + offs, out, mask=offs < M)
+    tl.store(output_ptr + first_row + offs, out, mask=offs <= n)
     tl.store(num_emitted_ptr + r, (num_accepted + 1).to(tl.int64))

@@ -318,7 +318,7 @@ def bench_serve(*, target_name: str, drafter_dir: str | None, dataset: str, num_
     for batch in batch_sizes:
         systems = {name: _engine_system(engine, chunked(batch), params) for name, engine in engines.items()}
         if drafter_dir and batch == batch_sizes[0]:
-            engines["specray-dflash"].worker.reset_timing()
+            timing_start = engines["specray-dflash"].worker.stats()
         if transformers:
             systems["hf-generate"] = _hf_system(target, chunked(batch), max_tokens)
         if transformers and batch == 1:  # transformers' assisted generation runs at batch 1 only
@@ -328,7 +328,7 @@ def bench_serve(*, target_name: str, drafter_dir: str | None, dataset: str, num_
             outputs[(name, batch)] = out
         if drafter_dir and batch == batch_sizes[0]:
             run = next(r for r in runs if (r["system"], r["batch_size"]) == ("specray-dflash", batch))
-            phases = _round_phases(engines["specray-dflash"].worker, repeats, run["seconds"])
+            phases = _round_phases(timing_start, engines["specray-dflash"].worker.stats(), repeats, run["seconds"])
     vllm_info = {"available": importlib.util.find_spec("vllm") is not None, "skipped": not vllm}
     if vllm and vllm_info["available"]:
         vllm_runs, vllm_outputs, details = _bench_vllm(
@@ -346,22 +346,25 @@ def bench_serve(*, target_name: str, drafter_dir: str | None, dataset: str, num_
               "vllm_available": vllm_info["available"], "vllm": vllm_info, "environment": _environment()}
     result.update(_serve_speedups(runs, outputs, vllm_info, batch_sizes[0]))
     if drafter_dir:
-        result["num_speculative_tokens"] = engines["specray-dflash"].worker.num_draft_tokens
+        result["num_speculative_tokens"] = engines["specray-dflash"].worker.max_verify_rows - 1
         result["max_speculative_batch"] = max_speculative_batch
         result.update(_speculative_summary(engines, outputs, runs, batch_sizes[0], result["speedup_ar_vs_vllm_ar"], png))
         result["round_ms"] = phases
     return result
 
 
-def _round_phases(worker, repeats: int, run_seconds: float) -> dict:
-    """Where a DFlash round's time goes at the first batch size, in ms per round (``step`` call).
+def _round_phases(start: dict, end: dict, repeats: int, run_seconds: float) -> dict:
+    """Where a DFlash round's time goes at the first batch size, in ms per round (``step`` call),
+    from the worker's ``stats()`` before and after the timed runs.
 
     ``draft`` (the drafter's block forward and sampling), ``verify`` (the target forward over
     the block), ``accept`` (rejection sampling), ``commit`` (KV commits and the drafter's
     context K/V of the accepted rows), and ``other``: the run's wall time per round minus those
     (scheduling, prefill, stop checks, detokenisation)."""
-    steps = worker.steps / repeats  # rounds in one timed run
-    phases = {name: 1000 * seconds / worker.steps for name, seconds in worker.phase_seconds.items()}
+    rounds = end["steps"] - start["steps"]
+    steps = rounds / repeats  # rounds in one timed run
+    phases = {name: 1000 * (seconds - start["phase_seconds"][name]) / rounds
+              for name, seconds in end["phase_seconds"].items()}
     wall = 1000 * run_seconds / steps  # the median run's wall time per round
     return {**phases, "other": wall - sum(phases.values()), "wall": wall}
 
@@ -390,7 +393,7 @@ def _speculative_summary(engines: dict, outputs: dict, runs: list[dict], batch: 
                          png: str | None) -> dict:
     """tau, acceptance by position, speedups and the bound ratio of our DFlash run at ``batch``."""
     dflash, ar = outputs[("specray-dflash", batch)], outputs[("specray-ar", batch)]
-    m = engines["specray-dflash"].worker.num_draft_tokens  # drafts verified per round
+    m = engines["specray-dflash"].worker.max_verify_rows - 1  # drafts verified per round
     accept = [sum(k - 1 >= j for k in dflash.rounds) / len(dflash.rounds) for j in range(1, m + 1)]
     runner = engines["specray-ar"].runner
     t1, tB = _step_time(runner, 1), _step_time(runner, m + 1)

@@ -26,7 +26,8 @@ from specray.serving.sampling import SamplingParams
 def regenerate(*, target_name: str, dataset: str, num: int, out: str, skip: int = 0, batch_size: int = 4,
                max_prompt_tokens: int = 512, params: SamplingParams, progress: bool = True) -> dict:
     target = load_target(target_name)
-    engine = Engine(target, None, max_batch=batch_size, max_len=max_prompt_tokens + params.max_tokens + 8)
+    engine = Engine(target, None, max_batch=batch_size, max_len=max_prompt_tokens + params.max_tokens + 8,
+                    max_waiting=None)  # every prompt is queued at once
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     done = {json.loads(line)["id"] for line in path.read_text().splitlines()} if path.exists() else set()

@@ -4,13 +4,27 @@ The same ``process`` is applied to the target's logits (giving ``p``) and to the
 (giving ``q``, the distribution the drafts are actually sampled from), so rejection sampling
 preserves the *processed* target distribution — the one plain decoding would sample from.
 ``temperature == 0`` means greedy: no probabilities, argmax everywhere.
+
+Logits that are not finite (NaN or +inf, from a broken model or an overflow) never yield a
+token: every path that reads target logits (prefill, AR and plain steps, verification) checks
+the rows it reads and fails that request with ``NonFiniteLogitsError``; the others go on.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+MIN_TEMPERATURE = 1e-2  # below it logits / temperature overflows float32 or rounds to greedy
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
+
+class NonFiniteLogitsError(RuntimeError):
+    """A request's target logits (or their probabilities after temperature, top-k and top-p) hold
+    NaN or +inf: no token can be drawn from them, so the request fails and emits nothing more."""
 
 
 @dataclass(frozen=True)
@@ -19,7 +33,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
-    stop: tuple[str, ...] = ()
+    stop: tuple[str, ...] = ()  # at most MAX_STOP_STRINGS, each of at most MAX_STOP_CHARS characters
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
@@ -30,14 +44,26 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not (self.temperature == 0 or (math.isfinite(self.temperature) and self.temperature >= MIN_TEMPERATURE)):
+            raise ValueError(f"temperature must be 0 (greedy) or a finite value >= {MIN_TEMPERATURE} (smaller ones "
+                             f"overflow logits / temperature), got {self.temperature}; use 0 for greedy decoding")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        self._check_stop()
+
+    def _check_stop(self) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings per request, got {len(self.stop)}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
+        longest = max(self.stop, key=len, default="")
+        if len(longest) > MAX_STOP_CHARS:
+            raise ValueError(f"stop: each stop string holds at most {MAX_STOP_CHARS} characters, got one of "
+                             f"{len(longest)}")
 
     @property
     def greedy(self) -> bool:
@@ -58,3 +84,47 @@ def process(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def check_finite(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """What a request samples from, once its rows are known to be finite: ``logits`` [..., V] as
+    they are (greedy: only their argmax is read) or ``process``-ed to probabilities.
+
+    Raises ``NonFiniteLogitsError`` for NaN or +inf in ``logits`` or a row of only −inf (a −inf
+    alone is a token ruled out), or for probabilities that are not finite (an overflow)."""
+    if bool(torch.isnan(logits).any() or torch.isposinf(logits).any() or torch.isneginf(logits).all(-1).any()):
+        raise NonFiniteLogitsError("the target's logits for this request are not finite (NaN, +inf, or -inf for "
+                                   "every token); no token was drawn from them and the request is failed (check "
+                                   "the model's weights and dtype)")
+    if params.greedy:
+        return logits
+    probs = process(logits, params)
+    if not bool(torch.isfinite(probs).all()):
+        raise NonFiniteLogitsError(f"the target's probabilities for this request are not finite after temperature "
+                                   f"{params.temperature}, top_k {params.top_k}, top_p {params.top_p} "
+                                   f"(logits / temperature overflowed); the request is failed")
+    return probs
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token from logits [V] under ``params`` (argmax when greedy); ``NonFiniteLogitsError``
+    if they are not finite."""
+    rows = check_finite(logits, params)
+    if params.greedy:
+        return int(rows.argmax())
+    return int(torch.multinomial(rows, 1, generator=generator))
+
+
+def sample_each(logits: torch.Tensor, params: list[SamplingParams], generators: list
+                ) -> tuple[list[list[int]], list[NonFiniteLogitsError | None]]:
+    """One token per request from logits [B, V]: ``([[token]] or [] per request, error or None)``.
+    A request whose row is not finite gets no token and its error; the others are unaffected."""
+    tokens, errors = [], []
+    for row, p, g in zip(logits, params, generators, strict=True):
+        try:
+            tokens.append([sample_next(row, p, g)])
+            errors.append(None)
+        except NonFiniteLogitsError as e:
+            tokens.append([])
+            errors.append(e)
+    return tokens, errors

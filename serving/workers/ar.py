@@ -3,40 +3,57 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
-from specray.serving.runner import LlamaRunner, pad_rows
-from specray.serving.sampling import process
+from specray.serving.runner import LlamaRunner, RunnerOutput, pad_rows
+from specray.serving.sampling import NonFiniteLogitsError, sample_each
+from specray.serving.workers.base import StepOutput
 
 
-def sample_next(logits: torch.Tensor, params, generator: torch.Generator) -> int:
-    """One token from logits [V] under ``params`` (argmax when greedy)."""
-    if params.greedy:
-        return int(logits.argmax())
-    return int(torch.multinomial(process(logits, params), 1, generator=generator))
-
-
-def ar_step(runner: LlamaRunner, slots: list[int], anchors: list[int], params, generators):
-    """One target row per request (its anchor), committed; returns (next token per request, the
-    runner's output). The AR worker's step, and a DFlash worker's plain step."""
+def ar_step(runner: LlamaRunner, slots: list[int], anchors: list[int], params, generators
+            ) -> tuple[list[list[int]], list[NonFiniteLogitsError | None], RunnerOutput]:
+    """One target row per request (its anchor), committed; returns (next token per request, its
+    error if its logits were not finite, the runner's output). The AR worker's step, and a
+    speculative worker's plain step."""
     out = runner.forward(torch.tensor(anchors)[:, None], torch.tensor(slots), torch.ones(len(slots), dtype=torch.long))
     for slot in slots:
         runner.cache.commit(slot, 1)
-    return [[sample_next(out.logits[b, 0], p, g)] for b, (p, g) in enumerate(zip(params, generators))], out
+    tokens, errors = sample_each(out.logits[:, 0], params, generators)
+    return tokens, errors, out
+
+
+def prefill_target(runner: LlamaRunner, slots: list[int], prompts: list[list[int]]) -> tuple[torch.Tensor, RunnerOutput]:
+    """Run and commit the prompts in the target's KV; returns (last-row logits [B, V], the output)."""
+    ids, lengths = pad_rows(prompts)
+    out = runner.forward(ids, torch.tensor(slots), lengths)
+    for slot, n in zip(slots, lengths.tolist()):
+        runner.cache.commit(slot, n)
+    return out.logits[torch.arange(len(slots)), lengths - 1], out
 
 
 class ARWorker:
-    rows_per_round = 1
+    """The worker protocol (``serving/workers/base.py``) without a drafter: every step is a round
+    with no drafts (one token, tau 1)."""
+
+    max_verify_rows = 1
 
     def __init__(self, runner: LlamaRunner):
         self.runner = runner
+        self.steps, self.seconds = 0, 0.0
 
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
-        ids, lengths = pad_rows(prompts)
-        out = self.runner.forward(ids, torch.tensor(slots), lengths)
-        for slot, n in zip(slots, lengths.tolist()):
-            self.runner.cache.commit(slot, n)
-        return out.logits[torch.arange(len(slots)), lengths - 1]
+        return prefill_target(self.runner, slots, prompts)[0]
 
-    def step(self, slots: list[int], anchors: list[int], params, generators) -> list[list[int]]:
-        return ar_step(self.runner, slots, anchors, params, generators)[0]
+    def step(self, slots: list[int], anchors: list[int], params, generators) -> StepOutput:
+        start = time.perf_counter()
+        tokens, errors, _ = ar_step(self.runner, slots, anchors, params, generators)
+        self.steps, self.seconds = self.steps + 1, self.seconds + time.perf_counter() - start
+        return StepOutput(tokens, [0] * len(slots), [0] * len(slots), True, errors)
+
+    def release(self, slot: int) -> None:
+        """Nothing to drop: the target's KV slot is the engine's."""
+
+    def stats(self) -> dict:
+        return {"steps": self.steps, "phase_seconds": {"step": self.seconds}}

@@ -7,7 +7,7 @@ cache (the projected target hidden of those rows, as K/V per draft layer), and t
 
     propose  block [a, MASK × m] at positions n … n+m over context rows < n  -> d1 … dk (q), k ≤ m
     verify   target forward on [a, d1 … dk]                                  -> k+1 rows of p
-    accept   greedy / rejection sampling (kernels/rejection.py)              -> r, x*
+    accept   greedy / rejection sampling, the batch in one call (serving/verify.py) -> r, x*
     commit   target: rows [a, d1 … dr]; draft context: their target hidden   (r + 1 rows)
 
 The emitted tokens are ``[d1 … dr, x*]``; ``x*`` (correction or bonus) is the next anchor.
@@ -21,40 +21,42 @@ import time
 import torch
 
 from specray.drafters.dflash import DFlashDrafter, block_attention_mask
-from specray.kernels.rejection import rejection_sample
 from specray.serving.kv_cache import SlotKVCache
-from specray.serving.runner import LlamaRunner, pad_rows
+from specray.serving.runner import LlamaRunner
 from specray.serving.sampling import process
-from specray.serving.workers.ar import ar_step
+from specray.serving.verify import accept_chains
+from specray.serving.workers.ar import ar_step, prefill_target
+from specray.serving.workers.base import StepOutput
 
 
 class DFlashWorker:
-    """``num_draft_tokens`` (k ≤ m = B − 1, default m) caps the drafts verified per round. The
-    drafter still feeds its whole block of B rows to attention (its positions attend to each
-    other), but only rows 1 … k go through its last layer's queries and MLP, the LM head and the
-    target: when acceptance falls off after a few positions (docs/benchmarks.md: 0.26, then
-    ~0.02), verifying fewer rows makes a round cheaper and loses only what k could not accept.
+    """The worker protocol (``serving/workers/base.py``) for DFlash.
+
+    ``num_speculative_tokens`` (k, clamped to m = B − 1; None = m) caps the drafts verified per
+    round. The drafter still feeds its whole block of B rows to attention (its positions attend
+    to each other), but only rows 1 … k go through its last layer's queries and MLP, the LM head
+    and the target: when acceptance falls off after a few positions (docs/benchmarks.md: 0.26,
+    then ~0.02), verifying fewer rows makes a round cheaper and loses only what k could not accept.
 
     ``max_speculative_batch``: a step over more requests than this is a *plain* step — no draft,
     one target row per request (the anchor), the next token sampled from it exactly as the AR
     worker does — while both caches still commit that row, so speculation resumes as soon as the
     batch shrinks. On a CPU whose verify rows cost compute once a batch is large, this keeps
-    large batches at AR speed (docs/benchmarks.md, session 5). ``speculates(batch)`` says which
-    kind a step over ``batch`` requests is (the engine counts plain steps apart from rounds).
+    large batches at AR speed (docs/benchmarks.md).
     """
 
-    def __init__(self, runner: LlamaRunner, drafter: DFlashDrafter, *, num_draft_tokens: int | None = None,
+    def __init__(self, runner: LlamaRunner, drafter: DFlashDrafter, *, num_speculative_tokens: int | None = None,
                  max_speculative_batch: int | None = None):
         cfg = drafter.config
         if tuple(runner.capture_layer_ids) != tuple(cfg.target_layer_ids):
             raise ValueError("the runner must capture the drafter's target layer ids")
-        m = cfg.block_size - 1
-        if num_draft_tokens is not None and not 1 <= num_draft_tokens <= m:
-            raise ValueError(f"num_draft_tokens must be in [1, {m}] for a drafter of block size {cfg.block_size}, "
-                             f"got {num_draft_tokens}")
+        if num_speculative_tokens is not None and num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1 (or None for the drafter's block), "
+                             f"got {num_speculative_tokens}")
         if max_speculative_batch is not None and max_speculative_batch < 0:
             raise ValueError(f"max_speculative_batch must be >= 0 (0 = never speculate), got {max_speculative_batch}")
-        self.num_draft_tokens = num_draft_tokens or m
+        m = cfg.block_size - 1
+        self.num_draft_tokens = m if num_speculative_tokens is None else min(num_speculative_tokens, m)
         self.max_speculative_batch = max_speculative_batch
         self.runner, self.drafter, self.cfg = runner, drafter, cfg
         cache = runner.cache
@@ -62,20 +64,22 @@ class DFlashWorker:
                                    num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                                    dtype=drafter.fc.weight.dtype)
         self.block_size = cfg.block_size
-        self.reset_timing()
-
-    def reset_timing(self) -> None:
-        """Zero the per-phase wall-clock totals of ``step`` (``phase_seconds``, ``steps``)."""
         self.phase_seconds = {"draft": 0.0, "verify": 0.0, "accept": 0.0, "commit": 0.0}
-        self.steps = 0
+        self.steps = 0  # speculative rounds (plain steps are not timed)
+
+    @property
+    def max_verify_rows(self) -> int:
+        return self.num_draft_tokens + 1
 
     def speculates(self, batch: int) -> bool:
         """Whether a step over ``batch`` requests drafts and verifies (else it is a plain step)."""
         return self.max_speculative_batch is None or batch <= self.max_speculative_batch
 
-    @property
-    def rows_per_round(self) -> int:  # target rows verified per round (capacity planning)
-        return self.num_draft_tokens + 1
+    def release(self, slot: int) -> None:
+        self.context.release(slot)
+
+    def stats(self) -> dict:
+        return {"steps": self.steps, "phase_seconds": dict(self.phase_seconds)}
 
     def _commit_context(self, slots: list[int], hidden: dict[int, torch.Tensor], rows: list[int]) -> None:
         """Project the target hidden of each request's first ``rows[b]`` rows into draft K/V."""
@@ -91,12 +95,9 @@ class DFlashWorker:
 
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
         """Run the prompts, commit them in both caches; returns last-row logits [B, V]."""
-        ids, lengths = pad_rows(prompts)
-        out = self.runner.forward(ids, torch.tensor(slots), lengths)
-        self._commit_context(slots, out.hidden, lengths.tolist())
-        for slot, n in zip(slots, lengths.tolist()):
-            self.runner.cache.commit(slot, n)
-        return out.logits[torch.arange(len(slots)), lengths - 1]
+        logits, out = prefill_target(self.runner, slots, prompts)
+        self._commit_context(slots, out.hidden, [len(p) for p in prompts])
+        return logits
 
     @torch.inference_mode()
     def propose(self, slots: list[int], anchors: list[int], params, generators):
@@ -125,43 +126,34 @@ class DFlashWorker:
                 qs.append(self.drafter.to_target_distribution(q))
         return self.drafter.draft_to_target(torch.stack(drafts)), qs
 
-    def step(self, slots: list[int], anchors: list[int], params, generators) -> list[list[int]]:
-        """One propose → verify → accept → commit round; returns the emitted tokens per request.
+    def step(self, slots: list[int], anchors: list[int], params, generators) -> StepOutput:
+        """One propose → verify → accept → commit round (a plain step above max_speculative_batch).
 
         Wall-clock time per phase accumulates in ``phase_seconds`` (what ``bench serve`` reports);
-        a plain step (see the class docstring) is not a round and is not timed there."""
+        a plain step is not a round and is not timed there."""
         if not self.speculates(len(slots)):
             return self._plain_step(slots, anchors, params, generators)
         t0 = time.perf_counter()
-        drafts, qs = self.propose(slots, anchors, params, generators)
-        verify_ids = torch.cat([torch.tensor(anchors)[:, None], drafts], dim=1)  # [B, m + 1]
+        drafts, qs = self.propose(slots, anchors, params, generators)  # [B, k], per request [k, V] or None
+        verify_ids = torch.cat([torch.tensor(anchors)[:, None], drafts], dim=1)  # [B, k + 1]
         B, M = verify_ids.shape
         t1 = time.perf_counter()
         out = self.runner.forward(verify_ids, torch.tensor(slots), torch.full((B,), M))
         t2 = time.perf_counter()
-        emitted, accepted_rows = [], []
-        for b, p in enumerate(params):
-            # greedy reads only each row's argmax: the logits themselves, as AR decoding's argmax
-            target = out.logits[b : b + 1] if p.greedy else process(out.logits[b : b + 1], p)
-            tokens, count = rejection_sample(
-                target, drafts[b : b + 1], torch.tensor([M - 1]),
-                None if qs[b] is None else qs[b][None], generator=None if p.greedy else generators[b],
-            )
-            k = int(count[0])  # r + 1 tokens emitted, r drafts accepted
-            emitted.append(tokens[0, :k].tolist())
-            accepted_rows.append(k)  # commit [a, d1 … dr]: r + 1 rows
+        result = accept_chains(out.logits, drafts, params, qs, generators)
         t3 = time.perf_counter()
-        for slot, rows in zip(slots, accepted_rows):
-            self.runner.cache.commit(slot, rows)
-        self._commit_context(slots, out.hidden, accepted_rows)
+        rows = [len(tokens) for tokens in result.tokens]  # commit [a, d1 … dr]: r + 1 rows (0 if it failed)
+        for slot, n in zip(slots, rows):
+            self.runner.cache.commit(slot, n)
+        self._commit_context(slots, out.hidden, rows)
         t4 = time.perf_counter()
         for phase, seconds in zip(self.phase_seconds, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
             self.phase_seconds[phase] += seconds
         self.steps += 1
-        return emitted
+        return StepOutput(result.tokens, [M - 1] * B, result.accepted, True, result.errors)
 
-    def _plain_step(self, slots: list[int], anchors: list[int], params, generators) -> list[list[int]]:
+    def _plain_step(self, slots: list[int], anchors: list[int], params, generators) -> StepOutput:
         """One target row per request: the AR step, plus the drafter context of that row."""
-        emitted, out = ar_step(self.runner, slots, anchors, params, generators)
+        tokens, errors, out = ar_step(self.runner, slots, anchors, params, generators)
         self._commit_context(slots, out.hidden, [1] * len(slots))
-        return emitted
+        return StepOutput.plain(tokens, errors)

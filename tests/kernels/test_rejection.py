@@ -1,5 +1,6 @@
 """kernels/rejection.py: hand-built greedy and sampling cases, seeded determinism, statistical
-losslessness (and its failure with the wrong q), Triton kernel == reference, input checks.
+losslessness (and its failure with the wrong q), a mixed ragged batch in one call, Triton kernel ==
+reference (negative logits included), input checks.
 
 Run: ``pytest -q tests/kernels/test_rejection.py`` (conftest sets TRITON_INTERPRET=1). On a
 CUDA machine, ``TRITON_INTERPRET=0 pytest -q tests/kernels -k cuda`` runs the compiled kernel
@@ -14,7 +15,37 @@ import torch
 from specray.kernels.rejection import rejection_sample, rejection_sample_reference
 
 PATHS = [pytest.param(False, id="reference"), pytest.param(True, id="triton")]
-PAD = 123456  # a padding draft id far outside the vocabulary: must never be read
+
+
+def ragged(p, d, n, q=None, u=None, greedy=None) -> dict:
+    """Padded inputs — p [R, M, V], drafts [R, m], n [R], q [R, m, V], u [R, m] — in the flat
+    layout: request r keeps rows p[r, :n_r + 1] and drafts d[r, :n_r]."""
+    n = [int(x) for x in n]
+    R = len(n)
+    cu = torch.tensor([0] + n).cumsum(0)
+    kw = dict(target=torch.cat([p[r, : n[r] + 1] for r in range(R)]).contiguous(),
+              draft_token_ids=torch.cat([d[r, : n[r]] for r in range(R)]).long().contiguous(), cu_num_draft=cu,
+              greedy=torch.full((R,), q is None) if greedy is None else greedy)
+    if q is not None:
+        kw["draft_probs"] = torch.cat([q[r, : n[r]] for r in range(R)]).contiguous()
+    if u is not None:
+        kw["uniforms"] = torch.cat([u[r, : n[r]] for r in range(R)]).contiguous()
+    return kw
+
+
+def padded(output: torch.Tensor, cu: torch.Tensor, M: int) -> torch.Tensor:
+    """The flat output back to [R, M], -1 past each request's rows."""
+    R = len(cu) - 1
+    out = torch.full((R, M), -1)
+    for r in range(R):
+        rows = output[int(cu[r]) + r : int(cu[r + 1]) + r + 1]
+        out[r, : len(rows)] = rows
+    return out
+
+
+def verify(kw: dict, M: int, **options):
+    out, emitted = rejection_sample(**kw, **options)
+    return padded(out, kw["cu_num_draft"], M), emitted
 
 
 def peaked(argmaxes: list[int], V: int) -> torch.Tensor:
@@ -35,9 +66,11 @@ GREEDY_CASES = {
     "all_accepted_bonus": ([5, 7, 2], 3, [5, 7, 2, 4], 4),
     "first_rejected": ([1, 7, 2], 3, [5, -1, -1, -1], 1),
     "middle_rejected": ([5, 3, 2], 3, [5, 7, -1, -1], 2),
-    "no_drafts_bonus_row0": ([PAD, PAD, PAD], 0, [5, -1, -1, -1], 1),
-    "ragged_all_accepted": ([5, 7, PAD], 2, [5, 7, 2, -1], 3),
-    "tie_lowest_id": ([6, PAD, PAD], 1, [3, -1, -1, -1], 1),
+    "no_drafts_bonus_row0": ([0, 0, 0], 0, [5, -1, -1, -1], 1),
+    "ragged_all_accepted": ([5, 7, 0], 2, [5, 7, 2, -1], 3),
+    "tie_lowest_id": ([6, 0, 0], 1, [3, -1, -1, -1], 1),
+    "negative_logits": ([5, 7, 2], 3, [5, 7, 2, 4], 4),  # every logit < -1: argmax as torch's
+    "max_exactly_minus_one": ([5, 7, 1], 3, [5, 7, 2, -1], 3),
 }
 
 
@@ -48,6 +81,11 @@ def greedy_inputs(names: list[str]):
         if name == "tie_lowest_id":
             target[i, 0] = 0.1 / 6
             target[i, 0, [3, 6]] = 0.45
+        if name == "negative_logits":
+            target[i] = target[i].log() - 10.0
+        if name == "max_exactly_minus_one":
+            target[i] = -1.0 - 3 * target[i].flip(-1)  # the smallest becomes the largest: -1 exactly
+            target[i, torch.arange(4), [5, 7, 2, 4]] = -1.0
     drafts = torch.tensor([GREEDY_CASES[n][0] for n in names])  # [R, m]
     num_draft = torch.tensor([GREEDY_CASES[n][1] for n in names])  # [R]
     out = torch.tensor([GREEDY_CASES[n][2] for n in names])  # [R, M]
@@ -59,7 +97,7 @@ def greedy_inputs(names: list[str]):
 @pytest.mark.parametrize("name", list(GREEDY_CASES))
 def test_greedy_single_case(name, use_triton):
     target, drafts, num_draft, out, emitted = greedy_inputs([name])
-    got_out, got_emitted = rejection_sample(target, drafts, num_draft, use_triton=use_triton)
+    got_out, got_emitted = verify(ragged(target, drafts, num_draft), 4, use_triton=use_triton)
     assert torch.equal(got_out, out), (got_out, out)
     assert torch.equal(got_emitted, emitted)
 
@@ -68,7 +106,9 @@ def test_greedy_single_case(name, use_triton):
 def test_greedy_ragged_batch(use_triton):
     names = list(GREEDY_CASES) * 2
     target, drafts, num_draft, out, emitted = greedy_inputs(names)
-    got_out, got_emitted = rejection_sample(target, drafts, num_draft.int(), use_triton=use_triton)
+    kw = ragged(target, drafts, num_draft)
+    kw["cu_num_draft"] = kw["cu_num_draft"].int()
+    got_out, got_emitted = verify(kw, 4, use_triton=use_triton)
     assert torch.equal(got_out, out)
     assert torch.equal(got_emitted, emitted)
 
@@ -91,7 +131,7 @@ def sampling_case(name: str):
         p, q, d, n = torch.cat([mixed[:1], one_hot([5], V), mixed[:1]]), mixed, [2, 0], 2
         out, emitted = [2, 5, -1], 2
     elif name == "race_picks_by_E":  # n = 0: bonus from row 0 by argmax p / E = [2, .2, .3, ...]
-        p, q, d, n = torch.cat([mixed[:1], mixed]), mixed, [PAD, PAD], 0
+        p, q, d, n = torch.cat([mixed[:1], mixed]), mixed, [0, 0], 0
         E = torch.tensor([0.05, 1.0, 1.0, 1.0, 1.0, 1.0])
         out, emitted = [0, -1, -1], 1
     elif name == "zero_residual_falls_back_to_p":  # q > p at d by "rounding": residual is all 0
@@ -114,7 +154,7 @@ SAMPLING_CASES = ["q_equals_p_accepts_all", "p_zero_rejects_residual", "second_r
 @pytest.mark.parametrize("name", SAMPLING_CASES)
 def test_sampling_forced_case(name, use_triton):
     p, q, d, n, u, E, out, emitted = sampling_case(name)
-    got_out, got_emitted = rejection_sample(p, d, n, q, u, E, use_triton=use_triton)
+    got_out, got_emitted = verify(ragged(p, d, n, q, u), 3, exponentials=E, use_triton=use_triton)
     assert torch.equal(got_out, out), (got_out, out)
     assert torch.equal(got_emitted, emitted)
 
@@ -125,7 +165,7 @@ def test_q_equals_p_accepts_all_for_any_draw():
     p = torch.softmax(torch.randn(R, m + 1, V, generator=g), -1)
     q = p[:, :m].contiguous()
     d = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(R, m)
-    out, emitted = rejection_sample(p, d, torch.full((R,), m), q, generator=g)
+    out, emitted = verify(ragged(p, d, [m] * R, q), m + 1, generators=[g] * R)
     assert torch.equal(emitted, torch.full((R,), m + 1))
     assert torch.equal(out[:, :m], d)
 
@@ -145,15 +185,18 @@ def random_batch(R: int, m: int, V: int, seed: int, sharp: float = 1.0):
 
 def test_seeded_determinism():
     p, q, d, n = random_batch(64, 3, 10, seed=0)
-    run = lambda seed: rejection_sample(p, d, n, q, generator=torch.Generator().manual_seed(seed))
+    kw = ragged(p, d, n, q)
+    run = lambda seed: rejection_sample(**kw, generators=[torch.Generator().manual_seed(seed + r) for r in range(64)])
     a, b, c = run(7), run(7), run(8)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert not torch.equal(a[0], c[0])
-    # The wrapper draws uniforms, then exponentials, from the generator.
-    g = torch.Generator().manual_seed(7)
-    u = torch.rand((64, 3), generator=g)
-    E = torch.empty(64, 10).exponential_(generator=g)
-    explicit = rejection_sample(p, d, n, q, u, E)
+    # Request r draws its n_r uniforms, then V exponentials, from its own generator.
+    u, E = [], []
+    for r in range(64):
+        g = torch.Generator().manual_seed(7 + r)
+        u.append(torch.rand(int(n[r]), generator=g))
+        E.append(torch.empty(10).exponential_(generator=g))
+    explicit = rejection_sample(**kw, uniforms=torch.cat(u), exponentials=torch.stack(E))
     assert torch.equal(explicit[0], a[0]) and torch.equal(explicit[1], a[1])
 
 
@@ -169,17 +212,23 @@ Q_PEAKED = torch.tensor([0.60, 0.10, 0.10, 0.10, 0.10])  # what the drafts are d
 CHI2_CRIT_DF4 = 18.47  # chi-square, 4 degrees of freedom, p = 0.001
 
 
-def emitted_chi2(q_claimed: torch.Tensor, seed: int = 0) -> list[tuple[float, int]]:
-    """Draft from Q_PEAKED, verify with ``q_claimed``; per output position k, the chi-square of
-    the k-th emitted token (over requests that emitted it, i.e. accepted drafts 1..k) against
-    P_STAT[k], and how many requests that was."""
+def stat_batch(q_claimed: torch.Tensor, seed: int = 0) -> tuple[dict, torch.Tensor]:
+    """N_STAT requests drafted from Q_PEAKED (ragged n), verified with ``q_claimed``: the inputs, with
+    explicit uniforms and exponentials, and n."""
     R, m = N_STAT, M_STAT - 1
     g = torch.Generator().manual_seed(seed)
-    p = P_STAT.expand(R, M_STAT, V_STAT).contiguous()
+    p = P_STAT.expand(R, M_STAT, V_STAT)
     d = torch.multinomial(Q_PEAKED, R * m, replacement=True, generator=g).reshape(R, m)
     n = torch.randint(0, m + 1, (R,), generator=g)
-    q = q_claimed.expand(R, m, V_STAT).contiguous()
-    out, emitted = rejection_sample(p, d, n, q, generator=g)
+    kw = ragged(p, d, n, q_claimed.expand(R, m, V_STAT))
+    kw["uniforms"] = torch.rand(len(kw["draft_token_ids"]), generator=g)
+    kw["exponentials"] = torch.empty(R, V_STAT).exponential_(generator=g)
+    return kw, n
+
+
+def emitted_chi2(out: torch.Tensor, emitted: torch.Tensor) -> list[tuple[float, int]]:
+    """Per output position k, the chi-square of the k-th emitted token (over requests that emitted
+    it, i.e. accepted drafts 1..k) against P_STAT[k], and how many requests that was."""
     stats = []
     for k in range(M_STAT):
         tokens = out[emitted > k, k]
@@ -191,19 +240,77 @@ def emitted_chi2(q_claimed: torch.Tensor, seed: int = 0) -> list[tuple[float, in
 
 def test_output_distribution_matches_target():
     """STYLE rule 8: every emitted position follows the target row, whatever q was (q != p)."""
-    for k, (chi2, count) in enumerate(emitted_chi2(Q_PEAKED)):
+    kw, _ = stat_batch(Q_PEAKED)
+    for k, (chi2, count) in enumerate(emitted_chi2(*verify(kw, M_STAT))):
         assert count > 1000, f"position {k}: only {count} samples"
         assert chi2 < CHI2_CRIT_DF4, f"position {k}: chi2 {chi2:.1f} over {count} samples"
 
 
 def test_wrong_q_is_detectably_off():
     """Claiming uniform q for drafts drawn from a peaked q over-emits the peaked token."""
-    stats = emitted_chi2(torch.full((V_STAT,), 1.0 / V_STAT))
+    kw, _ = stat_batch(torch.full((V_STAT,), 1.0 / V_STAT))
+    stats = emitted_chi2(*verify(kw, M_STAT))
     assert stats[0][0] > 20 * CHI2_CRIT_DF4, stats  # first token: far off p_0
     assert all(chi2 > CHI2_CRIT_DF4 for chi2, _ in stats[:3]), stats  # positions with drafts
 
 
+# ----------------------------------------------------------------------------- a mixed ragged batch
+def mixed_batch(R: int, m: int, V: int, seed: int):
+    """Every third request greedy (its rows: negative logits, most drafts the row argmax), the
+    others sampled; n ragged over 0..m. Returns the flat inputs with explicit randoms, and n."""
+    p, q, d, n = random_batch(R, m, V, seed=seed, sharp=0.5)
+    greedy = torch.arange(R) % 3 == 0
+    logits = p.log() - 5.0  # all < -1
+    p = torch.where(greedy[:, None, None], logits, p)
+    d = torch.where(greedy[:, None] & (torch.arange(m) < 2), p[:, :m].argmax(-1), d)
+    g = torch.Generator().manual_seed(seed + 1)
+    kw = ragged(p, d, n, q, torch.rand((R, m), generator=g), greedy=greedy)
+    kw["exponentials"] = torch.empty(R, V).exponential_(generator=g)
+    return kw, n, p, q, d
+
+
+def test_mixed_batch_equals_each_request_alone():
+    """One call over greedy and sampled requests with different n gives what each gets alone."""
+    R, m, V = 12, 4, 40
+    kw, n, *_ = mixed_batch(R, m, V, seed=11)
+    out, emitted = verify(kw, m + 1)
+    cu = kw["cu_num_draft"]
+    for r in range(R):
+        drafts, rows = slice(int(cu[r]), int(cu[r + 1])), slice(int(cu[r]) + r, int(cu[r + 1]) + r + 1)
+        alone = {"target": kw["target"][rows], "draft_token_ids": kw["draft_token_ids"][drafts],
+                 "cu_num_draft": torch.tensor([0, int(n[r])]), "greedy": kw["greedy"][r : r + 1]}
+        if not kw["greedy"][r]:
+            alone |= {"draft_probs": kw["draft_probs"][drafts], "uniforms": kw["uniforms"][drafts],
+                      "exponentials": kw["exponentials"][r : r + 1]}
+        one, k = verify(alone, m + 1)
+        assert torch.equal(one[0], out[r]) and int(k[0]) == int(emitted[r]), r
+    assert len(set(emitted.tolist())) > 2, "the batch should mix acceptance lengths"
+
+
+def test_greedy_requests_read_no_draft_probs_or_randoms():
+    """A greedy request's rows of draft_probs, uniforms and exponentials are never read: any value."""
+    kw, *_ = mixed_batch(6, 3, 30, seed=12)
+    ref = rejection_sample(**kw)
+    owner = torch.repeat_interleave(torch.arange(6), kw["cu_num_draft"].diff())
+    g = kw["greedy"]
+    kw["draft_probs"][g[owner]] = 0.0
+    kw["uniforms"][g[owner]] = 7.0
+    kw["exponentials"][g] = -1.0
+    again = rejection_sample(**kw)
+    assert torch.equal(ref[0], again[0]) and torch.equal(ref[1], again[1])
+
+
 # ----------------------------------------------------------------------------- Triton == reference
+def _kernel_equals_reference(kw: dict, **options) -> torch.Tensor:
+    ref = rejection_sample_reference(kw["target"], kw["draft_token_ids"], kw["cu_num_draft"], kw["greedy"],
+                                     kw.get("draft_probs"), kw.get("uniforms"), kw.get("exponentials"))
+    out, emitted = rejection_sample(**kw, use_triton=True, **options)
+    assert (out != -999).all() and (emitted != -999).all(), "the kernel left slots unwritten"
+    assert torch.equal(out, ref[0]), (out, ref[0])
+    assert torch.equal(emitted, ref[1])
+    return emitted
+
+
 @pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampling"])
 def test_triton_matches_reference(greedy):
     R, m, V = 12, 4, 150  # V is not a multiple of block_v = 64: three chunks, the last partial
@@ -217,37 +324,66 @@ def test_triton_matches_reference(greedy):
     g = torch.Generator().manual_seed(2)
     u = torch.rand((R, m), generator=g)
     E = torch.empty(R, V).exponential_(generator=g)
-    extra = (None, None, None) if greedy else (q, u, E)
-    ref = rejection_sample_reference(p, d, n.int(), *extra)
-    out, emitted = rejection_sample(p, d, n.int(), *extra, use_triton=True, block_v=64)
-    assert (out != -999).all() and (emitted != -999).all(), "the kernel left slots unwritten"
-    assert torch.equal(out, ref[0]), (out, ref[0])
-    assert torch.equal(emitted, ref[1])
+    kw = ragged(p, d, n) if greedy else ragged(p, d, n, q, u) | {"exponentials": E}
+    kw["cu_num_draft"] = kw["cu_num_draft"].int()
+    emitted = _kernel_equals_reference(kw, block_v=64)
     assert 1 < emitted.float().mean() < m + 1, "the batch should mix acceptances and rejections"
     if greedy:
+        out = padded(rejection_sample(**kw)[0], kw["cu_num_draft"], m + 1)
         assert out[2, 0] == 5 and out[3, 1] == 66
+
+
+@pytest.mark.parametrize("case", ["all_negative", "max_exactly_minus_one", "max_below_minus_one_in_last_chunk",
+                                  "negative_inf_but_one"])
+def test_triton_greedy_negative_logits_match_reference(case):
+    """Greedy rows carry raw logits: a row whose maximum is <= -1 must still give its argmax."""
+    R, m, V = 6, 3, 150
+    g = torch.Generator().manual_seed(4)
+    logits = -2.0 - 5 * torch.rand(R, m + 1, V, generator=g)  # every logit < -1
+    if case == "max_exactly_minus_one":
+        logits[:, :, 77] = -1.0
+    if case == "max_below_minus_one_in_last_chunk":
+        logits[:, :, 149] = -1.5
+    if case == "negative_inf_but_one":
+        logits[:] = float("-inf")
+        logits[:, :, 100] = -3.0
+    d = logits[:, :m].argmax(-1)
+    d[::2, 1] = (d[::2, 1] + 1) % V  # every other request rejects its second draft
+    kw = ragged(logits, d, [m, m, 2, 1, 0, m])
+    emitted = _kernel_equals_reference(kw, block_v=64)
+    out = padded(rejection_sample(**kw, use_triton=True, block_v=64)[0], kw["cu_num_draft"], m + 1)
+    argmax = logits.argmax(-1)  # [R, M]
+    for r in range(R):
+        k = int(emitted[r]) - 1
+        assert torch.equal(out[r, : k + 1], argmax[r, : k + 1]), (r, out[r], argmax[r])
+
+
+def test_triton_mixed_ragged_batch_matches_reference():
+    R, m, V = 18, 4, 150
+    kw, n, *_ = mixed_batch(R, m, V, seed=13)
+    emitted = _kernel_equals_reference(kw, block_v=64)
+    assert len(set(emitted.tolist())) > 2 and (n == 0).any() and (n == m).any()
 
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                           reason="needs a CUDA GPU and compiled Triton (TRITON_INTERPRET=0)")
 
 
+def _on_cuda(kw: dict) -> dict:
+    return {k: v.cuda() for k, v in kw.items()}
+
+
 @CUDA
 @pytest.mark.parametrize("shape", [(12, 4, 150), (64, 7, 49152)], ids=["small", "smollm2_vocab"])
-@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampling"])
-def test_triton_cuda_matches_reference(greedy, shape):
+@pytest.mark.parametrize("kind", ["greedy", "sampling", "mixed"])
+def test_triton_cuda_matches_reference(kind, shape):
     """The compiled kernel on a GPU emits exactly what the CPU reference emits, at the real vocab size."""
     R, m, V = shape
-    p, q, d, n = random_batch(R, m, V, seed=3, sharp=0.5)
-    if greedy:  # most drafts are the row argmax, so blocks are accepted at various lengths
-        d = torch.where(torch.rand(R, m, generator=torch.Generator().manual_seed(4)) < 0.8, p[:, :m].argmax(-1), d)
-    g = torch.Generator().manual_seed(5)
-    u = torch.rand((R, m), generator=g)
-    E = torch.empty(R, V).exponential_(generator=g)
-    extra = (None, None, None) if greedy else (q, u, E)
-    ref = rejection_sample_reference(p, d, n.int(), *extra)
-    cuda = [t if t is None else t.cuda() for t in (p, d, n.int(), *extra)]
-    out, emitted = rejection_sample(*cuda, use_triton=True)
+    kw, *_ = mixed_batch(R, m, V, seed=3)
+    kw["greedy"] = {"greedy": torch.ones(R, dtype=torch.bool), "sampling": torch.zeros(R, dtype=torch.bool),
+                    "mixed": kw["greedy"]}[kind]
+    ref = rejection_sample(**kw)
+    out, emitted = rejection_sample(**_on_cuda(kw), use_triton=True)
     assert out.is_cuda and (out != -999).all() and (emitted != -999).all(), "the kernel left slots unwritten"
     assert torch.equal(out.cpu(), ref[0]), (out.cpu(), ref[0])
     assert torch.equal(emitted.cpu(), ref[1])
@@ -256,29 +392,19 @@ def test_triton_cuda_matches_reference(greedy, shape):
 
 @CUDA
 def test_output_distribution_matches_target_cuda():
-    """The statistical losslessness test through the compiled kernel (q != p; uniforms drawn on the CPU)."""
-    R, m = N_STAT, M_STAT - 1
-    g = torch.Generator().manual_seed(0)
-    p = P_STAT.expand(R, M_STAT, V_STAT).contiguous()
-    d = torch.multinomial(Q_PEAKED, R * m, replacement=True, generator=g).reshape(R, m)
-    n = torch.randint(0, m + 1, (R,), generator=g)
-    q = Q_PEAKED.expand(R, m, V_STAT).contiguous()
-    u = torch.rand((R, m), generator=g)
-    E = torch.empty(R, V_STAT).exponential_(generator=g)
-    out, emitted = (t.cpu() for t in rejection_sample(*(t.cuda() for t in (p, d, n, q, u, E)), use_triton=True))
-    for k in range(M_STAT):
-        tokens = out[emitted > k, k]
-        count = torch.bincount(tokens, minlength=V_STAT).double()
-        expected = P_STAT[k].double() * len(tokens)
-        chi2 = float(((count - expected) ** 2 / expected).sum())
-        assert len(tokens) > 1000 and chi2 < CHI2_CRIT_DF4, f"position {k}: chi2 {chi2:.1f} over {len(tokens)}"
+    """The statistical losslessness test through the compiled kernel (q != p; randoms drawn on the CPU)."""
+    kw, _ = stat_batch(Q_PEAKED)
+    out, emitted = rejection_sample(**_on_cuda(kw), use_triton=True)
+    for k, (chi2, count) in enumerate(emitted_chi2(padded(out.cpu(), kw["cu_num_draft"], M_STAT), emitted.cpu())):
+        assert count > 1000 and chi2 < CHI2_CRIT_DF4, f"position {k}: chi2 {chi2:.1f} over {count}"
 
 
 # ----------------------------------------------------------------------------- bad input
-def valid_inputs():
+def valid_inputs() -> dict:
     p, q, d, n = random_batch(4, 3, 10, seed=5)
-    return dict(target_probs=p, draft_token_ids=d, num_draft=n, draft_probs=q,
-                uniforms=torch.full((4, 3), 0.5), exponentials=torch.ones(4, 10))
+    n = torch.tensor([1, 2, 3, 3])
+    kw = ragged(p, d, n, q, torch.full((4, 3), 0.5))
+    return kw | {"exponentials": torch.ones(4, 10)}
 
 
 def _set(key, value_fn):
@@ -288,31 +414,33 @@ def _set(key, value_fn):
 
 
 def _zero_q_at_draft(kw):
-    n, d, q = kw["num_draft"], kw["draft_token_ids"], kw["draft_probs"].clone()
-    n[1] = 2
-    q[1, 1, d[1, 1]] = 0.0
+    q = kw["draft_probs"].clone()
+    q[2, kw["draft_token_ids"][2]] = 0.0
     kw["draft_probs"] = q
 
 
 BAD_INPUTS = {  # name: (mutation of valid_inputs(), expected message)
-    "target_2d": (_set("target_probs", lambda kw: kw["target_probs"][0]), "target_probs must be"),
-    "target_float64": (_set("target_probs", lambda kw: kw["target_probs"].double()), "dtype torch.float32"),
-    "target_noncontiguous": (_set("target_probs", lambda kw: kw["target_probs"].transpose(0, 1)
-                                  .contiguous().transpose(0, 1)), "contiguous"),
-    "drafts_wrong_shape": (_set("draft_token_ids", lambda kw: kw["draft_token_ids"][:, :2]),
-                           r"shape \[4, 3\]"),
+    "target_3d": (_set("target", lambda kw: kw["target"][None]), "target must be"),
+    "target_float64": (_set("target", lambda kw: kw["target"].double()), "dtype torch.float32"),
+    "target_noncontiguous": (_set("target", lambda kw: kw["target"].t().contiguous().t()), "contiguous"),
+    "target_too_few_rows": (_set("target", lambda kw: kw["target"][:-1].contiguous()), r"shape \[8\]"),
+    "drafts_wrong_shape": (_set("draft_token_ids", lambda kw: kw["draft_token_ids"][:-1].contiguous()),
+                           r"shape \[9\]"),
     "drafts_int32": (_set("draft_token_ids", lambda kw: kw["draft_token_ids"].int()), "dtype torch.int64"),
-    "num_draft_float": (_set("num_draft", lambda kw: kw["num_draft"].float()), "num_draft must have dtype"),
-    "num_draft_above_m": (_set("num_draft", lambda kw: torch.tensor([0, 1, 4, 3])),
-                          r"num_draft must lie in \[0, m=3\]"),
-    "num_draft_negative": (_set("num_draft", lambda kw: torch.tensor([0, -1, 2, 3])), "num_draft must lie"),
-    "draft_id_out_of_vocab": (_set("draft_token_ids", lambda kw: torch.full((4, 3), 10)),
+    "cu_float": (_set("cu_num_draft", lambda kw: kw["cu_num_draft"].float()), "cu_num_draft must have dtype"),
+    "cu_not_from_zero": (_set("cu_num_draft", lambda kw: torch.tensor([1, 2, 4, 7, 9])),
+                         "cu_num_draft must rise from 0"),
+    "cu_falls": (_set("cu_num_draft", lambda kw: torch.tensor([0, 4, 3, 6, 9])), "cu_num_draft must rise"),
+    "greedy_not_bool": (_set("greedy", lambda kw: kw["greedy"].int()), "greedy must be a"),
+    "draft_id_out_of_vocab": (_set("draft_token_ids", lambda kw: torch.full((9,), 10)),
                               "draft_token_ids must lie"),
-    "q_wrong_shape": (_set("draft_probs", lambda kw: kw["draft_probs"][:, :, :9].contiguous()),
+    "q_missing": (_set("draft_probs", lambda kw: None), "draft_probs is required"),
+    "q_wrong_shape": (_set("draft_probs", lambda kw: kw["draft_probs"][:, :9].contiguous()),
                       "draft_probs must have shape"),
-    "q_zero_at_proposed_draft": (_zero_q_at_draft, "q = 0 to a proposed draft token"),
-    "uniform_equal_one": (_set("uniforms", lambda kw: torch.ones(4, 3)), r"uniforms must lie in \[0, 1\)"),
+    "q_zero_at_a_draft": (_zero_q_at_draft, "q = 0 to draft"),
+    "uniform_equal_one": (_set("uniforms", lambda kw: torch.ones(9)), r"uniforms must lie in \[0, 1\)"),
     "exponential_zero": (_set("exponentials", lambda kw: torch.zeros(4, 10)), "exponentials must be > 0"),
+    "generators_wrong_length": (_set("generators", lambda kw: [None] * 3), "one entry per request"),
 }
 
 
@@ -326,17 +454,7 @@ def test_bad_input_raises(name):
         rejection_sample(**kw)
 
 
-def test_padding_is_not_checked():
-    """Slots past num_draft are padding: any id and q = 0 there are fine."""
-    kw = valid_inputs()
-    kw["num_draft"] = torch.tensor([0, 1, 2, 3])
-    kw["draft_token_ids"][0] = -1
-    kw["draft_probs"][1, 1:] = 0.0
-    out, emitted = rejection_sample(**kw)
-    assert (emitted <= kw["num_draft"] + 1).all()
-
-
 def test_greedy_warns_about_ignored_randomness():
     p, _, d, n = random_batch(2, 3, 10, seed=6)
-    with pytest.warns(UserWarning, match="ignores"):
-        rejection_sample(p, d, n, generator=torch.Generator())
+    with pytest.warns(UserWarning, match="ignore"):
+        rejection_sample(**ragged(p, d, n), generators=[torch.Generator(), None])

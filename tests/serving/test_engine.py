@@ -1,45 +1,25 @@
 """Engine behaviour on the debug target: lossless greedy decoding with a (random) DFlash drafter,
-batching, stops, and bad input."""
+batching, stops, round statistics, and bad input."""
 
 import pytest
 import torch
 
-from specray.drafters.dflash import DFlashConfig, DFlashDrafter
-from specray.drafters.format import save_drafter
 from specray.serving.engine import Engine
 from specray.serving.sampling import SamplingParams
+from specray.serving.workers import StepOutput, Worker
 
 PROMPTS = ["Hi", "Tell me about dragons and castles.", "1 2 3 4 5 6", "A much longer prompt " * 6]
 
 
-def _export_random_drafter(t, out, draft_vocab=None):
-    """An untrained DFlash drafter for the debug target ``t``, exported like a trained one."""
-    import json
-
-    from specray.capture.contract import build_contract
-
-    contract = build_contract("dflash", target_fingerprint=t.target_fingerprint, template_fingerprint=t.template_fingerprint,
-                              num_target_layers=t.num_layers, hidden_size=t.hidden_size)
-    cfg = DFlashConfig(hidden_size=t.hidden_size, vocab_size=t.vocab_size, target_layer_ids=contract.layer_ids,
-                       mask_token_id=0, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
-                       block_size=4, draft_vocab_size=None if draft_vocab is None else len(draft_vocab))
-    torch.manual_seed(0)
-    model = DFlashDrafter(cfg, embed_tokens=t.model.model.embed_tokens, lm_head=t.model.lm_head)
-    if draft_vocab is not None:
-        model.set_draft_vocab(draft_vocab)
-    return save_drafter(out, model, contract=json.loads(contract.to_json()), provenance={"run": "random"})
+@pytest.fixture(scope="module")
+def random_drafter(export_drafter):
+    return export_drafter()
 
 
 @pytest.fixture(scope="module")
-def random_drafter(debug_target, tmp_path_factory):
-    return _export_random_drafter(debug_target, tmp_path_factory.mktemp("drafter") / "export")
-
-
-@pytest.fixture(scope="module")
-def vocab_drafter(debug_target, tmp_path_factory):
+def vocab_drafter(debug_target, export_drafter):
     """The same, drafting over every third token id only (a draft vocabulary of 87 of 259)."""
-    vocab = torch.arange(0, debug_target.vocab_size, 3)
-    return _export_random_drafter(debug_target, tmp_path_factory.mktemp("drafter") / "vocab", vocab)
+    return export_drafter(draft_vocab=torch.arange(0, debug_target.vocab_size, 3))
 
 
 def _hf_greedy(target, ids, max_new):
@@ -121,16 +101,18 @@ def test_drafter_of_another_target_is_refused(random_drafter):
 
 
 class OracleWorker:
-    """Wraps DFlashWorker; proposes the target's own greedy continuation with one corrupted
-    position per round (cycling), so rounds accept 0..m drafts and every path is exercised."""
+    """Wraps DFlashWorker; proposes the target's own greedy continuation, with one corrupted
+    position per round (cycling) when ``corrupt``, so rounds accept 0..m drafts and every path
+    is exercised (else every draft is accepted)."""
 
-    def __init__(self, worker, target):
-        self.worker, self.target = worker, target
+    def __init__(self, worker, target, corrupt: bool = True):
+        self.worker, self.target, self.corrupt = worker, target, corrupt
         self.committed: dict[int, list[int]] = {}
         self.round = 0
-        self.rows_per_round = worker.rows_per_round
-        self.context = worker.context
         worker.propose = self.propose
+
+    def __getattr__(self, name):  # max_verify_rows, release, stats: the wrapped worker's
+        return getattr(self.worker, name)
 
     def prefill(self, slots, prompts):
         for slot, p in zip(slots, prompts):
@@ -143,17 +125,17 @@ class OracleWorker:
         for slot, a in zip(slots, anchors):
             cont = (_hf_greedy_raw(self.target, self.committed[slot] + [a], m) + [0] * m)[:m]
             k = self.round % (m + 1)
-            if k < m:
+            if self.corrupt and k < m:
                 cont[k] = (cont[k] + 1) % self.target.vocab_size
             drafts.append(cont)
         self.round += 1
         return torch.tensor(drafts), [None] * len(slots)
 
-    def step(self, slots, anchors, params, generators):
-        emitted = self.worker.step(slots, anchors, params, generators)
-        for slot, a, tokens in zip(slots, anchors, emitted):
+    def step(self, slots, anchors, params, generators) -> StepOutput:
+        out = self.worker.step(slots, anchors, params, generators)
+        for slot, a, tokens in zip(slots, anchors, out.tokens):
             self.committed[slot] += [a] + tokens[:-1]
-        return emitted
+        return out
 
 
 def _hf_greedy_raw(target, ids, max_new):
@@ -214,7 +196,7 @@ def test_bench_serve_writes_json_and_plot(debug_target, random_drafter, tmp_path
 
 def test_num_speculative_tokens_caps_the_drafts_verified_per_round(debug_target, random_drafter):
     engine = Engine(debug_target, str(random_drafter), max_batch=2, max_len=512, num_speculative_tokens=2)
-    assert engine.worker.num_draft_tokens == 2 and engine.worker.rows_per_round == 3
+    assert engine.worker.num_draft_tokens == 2 and engine.worker.max_verify_rows == 3
     engine.worker = OracleWorker(engine.worker, debug_target)
     outputs = engine.generate(PROMPTS[:2], SamplingParams(max_tokens=30))
     for out in outputs:
@@ -274,7 +256,9 @@ def test_plain_steps_keep_the_drafter_context_of_every_committed_row(debug_targe
     first = int(worker.prefill([0], [prompt])[0].argmax())
     tokens = [first]
     for _ in range(5):
-        tokens += worker.step([0], [tokens[-1]], [SamplingParams()], [None])[0]
+        out = worker.step([0], [tokens[-1]], [SamplingParams()], [None])
+        assert not out.speculative and out.num_drafts == [0] and len(out.tokens[0]) == 1
+        tokens += out.tokens[0]
     n = len(prompt) + 5  # the last token is the anchor: no KV yet
     assert int(worker.context.committed[0]) == n and int(engine.runner.cache.committed[0]) == n
     fresh = Engine(debug_target, str(random_drafter), max_batch=1, max_len=512).worker
@@ -282,3 +266,45 @@ def test_plain_steps_keep_the_drafter_context_of_every_committed_row(debug_targe
     for layer in range(len(worker.context.k)):
         torch.testing.assert_close(worker.context.k[layer, 0, :, :n], fresh.context.k[layer, 0, :, :n], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(worker.context.v[layer, 0, :, :n], fresh.context.v[layer, 0, :, :n], rtol=1e-4, atol=1e-5)
+
+
+class ProtocolOnly:
+    """Exposes nothing of a worker but the protocol (serving/workers/base.py)."""
+
+    def __init__(self, worker):
+        self._worker = worker
+        self.max_verify_rows = worker.max_verify_rows
+        self.prefill, self.step, self.release, self.stats = worker.prefill, worker.step, worker.release, worker.stats
+
+
+@pytest.mark.parametrize("use_drafter", [False, True], ids=["ar", "dflash"])
+def test_the_engine_reads_only_the_worker_protocol(debug_target, random_drafter, use_drafter):
+    engine = Engine(debug_target, str(random_drafter) if use_drafter else None, max_batch=2, max_len=256)
+    assert isinstance(engine.worker, Worker)
+    expected = engine.generate(PROMPTS[:3], SamplingParams(max_tokens=10))
+    engine.worker = ProtocolOnly(engine.worker)
+    assert isinstance(engine.worker, Worker)
+    got = engine.generate(PROMPTS[:3], SamplingParams(max_tokens=10))
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert engine.stats()["worker"]["steps"] > 0
+
+
+def test_round_stats_count_only_tokens_before_a_stop(debug_target, random_drafter):
+    """Every round accepts all 3 drafts (4 tokens); a stop inside a round counts that round as if it
+    had ended there: tau and acceptance by position never count cut tokens."""
+    full = _hf_greedy_raw(debug_target, Engine(debug_target).encode(PROMPTS[1]), 12)
+    assert full[2] not in full[:2]
+
+    def run(params):
+        engine = Engine(debug_target, str(random_drafter), max_batch=1, max_len=512)
+        engine.worker = OracleWorker(engine.worker, debug_target, corrupt=False)
+        return engine.generate([PROMPTS[1]], params)[0], engine.stats()
+
+    # prefill: 1 token; round 1: 4 (5 in all); round 2: 4 emitted, 1 kept by max_tokens = 6
+    out, stats = run(SamplingParams(max_tokens=6, ignore_eos=True))
+    assert out.token_ids == full[:6] and out.emitted_per_round == [4, 1]
+    assert stats["tau"] == out.tau == 2.5 and stats["acceptance_by_position"] == [0.5, 0.5, 0.5]
+    # round 1 emits full[1:5]; the stop token full[2] ends it after 2 tokens (the stop token included)
+    out, stats = run(SamplingParams(max_tokens=30, stop_token_ids=(full[2],)))
+    assert out.token_ids == full[:2] and out.finish_reason == "stop" and out.emitted_per_round == [2]
+    assert stats["tau"] == 2.0 and stats["acceptance_by_position"] == [1.0, 0.0, 0.0]

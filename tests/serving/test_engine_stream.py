@@ -7,36 +7,18 @@ import shutil
 import threading
 
 import pytest
-import torch
 
-from specray.capture.contract import build_contract
-from specray.drafters.dflash import DFlashConfig, DFlashDrafter
-from specray.drafters.format import InvalidDrafterError, save_drafter
+from specray.drafters.format import InvalidDrafterError
 from specray.serving.engine import Engine, EngineLoop
 from specray.serving.sampling import SamplingParams
 
 PROMPTS = ["Hi", "Tell me about dragons and castles.", "1 2 3 4 5 6"]
 
 
-def export_random_drafter(target, out, *, seed: int, layer_ids: tuple[int, ...] | None = None, block_size: int = 4):
-    """An untrained DFlash drafter for ``target``, exported like a trained one."""
-    contract = build_contract("dflash", target_fingerprint=target.target_fingerprint,
-                              template_fingerprint=target.template_fingerprint, num_target_layers=target.num_layers,
-                              hidden_size=target.hidden_size)
-    cfg = DFlashConfig(hidden_size=target.hidden_size, vocab_size=target.vocab_size,
-                       target_layer_ids=layer_ids or contract.layer_ids, mask_token_id=0, num_layers=1, num_heads=4,
-                       num_kv_heads=2, head_dim=16, intermediate_size=128, block_size=block_size)
-    torch.manual_seed(seed)
-    model = DFlashDrafter(cfg, embed_tokens=target.model.model.embed_tokens, lm_head=target.model.lm_head)
-    return save_drafter(out, model, contract=json.loads(contract.to_json()), provenance={"run": f"random-{seed}"})
-
-
 @pytest.fixture(scope="module")
-def drafters(debug_target, tmp_path_factory):
+def drafters(export_drafter):
     """v1: the contract's layers, block 4; v2: other layers (1, 3) and block 3."""
-    root = tmp_path_factory.mktemp("versions")
-    return {1: export_random_drafter(debug_target, root / "v1", seed=0),
-            2: export_random_drafter(debug_target, root / "v2", seed=1, layer_ids=(1, 3), block_size=3)}
+    return {1: export_drafter(seed=0), 2: export_drafter(seed=1, layer_ids=(1, 3), block_size=3)}
 
 
 def _drain(engine, handles):
@@ -106,8 +88,8 @@ def test_a_failed_step_fails_its_requests_and_the_loop_keeps_serving(debug_targe
     worker = engine.worker
 
     class Broken:
-        rows_per_round = 1
-        prefill = worker.prefill
+        max_verify_rows = 1
+        prefill, release, stats = worker.prefill, worker.release, worker.stats
 
         def step(self, *args):
             raise RuntimeError("boom")
@@ -121,7 +103,8 @@ def test_a_failed_step_fails_its_requests_and_the_loop_keeps_serving(debug_targe
         assert len(engine.submit("Hi", SamplingParams(max_tokens=8, ignore_eos=True)).result(timeout=60).token_ids) == 8
     finally:
         loop.stop()
-    assert engine.stats()["requests_served"] == 1 and not engine.runner.cache.in_use.any()
+    stats = engine.stats()
+    assert stats["requests_served"] == 1 and stats["requests_failed"] == 1 and not engine.runner.cache.in_use.any()
 
 
 def test_hot_load_keeps_each_request_on_its_version(debug_target, drafters):
