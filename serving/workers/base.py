@@ -35,9 +35,12 @@ import torch
 class StepOutput:
     """One ``step`` over B requests, in the order of its ``slots``.
 
-    A *speculative* step verified drafts: ``accepted[b] = r`` of ``num_drafts[b]`` draft
-    positions, and ``tokens[b] = [d1 .. dr, x*]`` (``r + 1`` tokens, x* the correction or bonus).
-    A *plain* step ran one target row per request: ``num_drafts = accepted = 0``, one token each.
+    A *speculative* step is a round of the worker's algorithm: ``accepted[b] = r`` of
+    ``num_drafts[b]`` draft positions verified, and ``tokens[b] = [d1 .. dr, x*]`` (``r + 1``
+    tokens, x* the correction or bonus); the engine counts it in tau and acceptance by position.
+    A *plain* step (``speculative=False``) is one a speculative worker takes instead of a round
+    (e.g. above ``max_speculative_batch``): one target row and one token per request, no drafts;
+    the engine counts it apart. The AR worker's steps are its rounds, with no drafts (tau 1).
     For a tree, ``num_drafts`` is the tree's depth (the most drafts one path can accept) and
     ``accepted`` the accepted path's length. A request that failed alone (non-finite logits,
     ``serving/sampling.py``) has an error, no tokens, and must not be stepped again: the engine
@@ -45,9 +48,9 @@ class StepOutput:
     """
 
     tokens: list[list[int]]  # [B][r_b + 1] emitted tokens per request ([] when it failed)
-    num_drafts: list[int]  # [B] draft positions verified (0: plain step)
+    num_drafts: list[int]  # [B] draft positions verified (0: no drafts)
     accepted: list[int]  # [B] r: drafts accepted, 0 <= r <= num_drafts
-    speculative: bool  # the step drafted and verified (False: a plain step)
+    speculative: bool  # a round of the algorithm (False: a plain step taken instead)
     errors: list[BaseException | None] = field(default_factory=list)  # [B]; [] = none failed
 
     def __post_init__(self) -> None:
@@ -63,7 +66,8 @@ class StepOutput:
 @runtime_checkable
 class Worker(Protocol):
     """What a worker gives the engine. Slots come from the engine; a worker keeps per-slot state
-    (its draft caches) from ``prefill`` until ``release``."""
+    (its draft caches) from ``prefill`` until ``release``. Chain workers verify with
+    ``serving/verify.py::accept_chains`` (one ``rejection_sample`` call for the batch)."""
 
     @property
     def max_verify_rows(self) -> int:
