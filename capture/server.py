@@ -26,7 +26,7 @@ import torch
 
 from specray.capture.contract import CaptureContract, TOKEN_DTYPE
 from specray.capture.data import RenderedSample
-from specray.capture.store import FeatureStore, SampleRef
+from specray.capture.store import FeatureStore, SampleRef, feature_key
 from specray.capture.target import Target
 
 
@@ -118,8 +118,7 @@ class CaptureServer:
 
     def key_for(self, sample_id: str) -> str:
         """Deterministic: the same sample under the same contract always lands on one key."""
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in sample_id)
-        return f"{self.key_prefix}/{self.contract.contract_id}/{safe}.safetensors"
+        return feature_key(self.contract.contract_id, sample_id, self.key_prefix)
 
     @torch.inference_mode()
     def extract(self, samples: Sequence[RenderedSample]) -> list[dict[str, torch.Tensor]]:

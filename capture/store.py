@@ -177,6 +177,12 @@ class BlobStore(ABC):
         """Idempotent: deleting a missing key is not an error."""
 
 
+def feature_key(contract_id: str, sample_id: str, prefix: str = "features") -> str:
+    """Where a capture writes a sample: the same sample under the same contract always lands on one key."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in sample_id)
+    return f"{prefix.strip('/')}/{contract_id}/{safe}.safetensors"
+
+
 TMP_MARK = ".tmp-"  # "<key>.tmp-<32 hex>": a file:// write not yet renamed over its key
 
 

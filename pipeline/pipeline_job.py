@@ -31,7 +31,9 @@ Resuming: a crashed trainer worker is restarted by Ray Train from the last check
 - online: the gang resumes from its newest checkpoint and re-dispatches every sample the
   ledger says was dispatched outside that checkpoint's history (their features are read, or
   captured again when gone); the producer captures only samples the ledger has never seen.
-  The audit at the end covers both runs: every sample trained exactly once;
+  The audit at the end covers both runs: every sample trained exactly once. Only the stream's
+  own keys (its samples' and those the ledger dispatched) are deleted or audited: other
+  datasets may share the store root;
 - export, serve and bench run again (the old export is replaced, the registry gets a new
   version).
 """
@@ -220,9 +222,9 @@ def _train_online(cfg: PipelineConfig, report: PipelineReport, progress: bool) -
     from specray.actors.broker import start_sample_broker
     from specray.actors.capture import CapturePool
     from specray.actors.trainer import run_trainer_gang
-    from specray.capture.store import open_store
+    from specray.capture.store import feature_key, open_store
     from specray.pipeline.capture_job import plan_capture
-    from specray.trainer.ledger import Ledger, audit
+    from specray.trainer.ledger import Ledger, audit, stream_keys
 
     job = cfg.capture_job()
     plan = plan_capture(job)
@@ -236,13 +238,16 @@ def _train_online(cfg: PipelineConfig, report: PipelineReport, progress: bool) -
     # ledger, on resume); the producer captures only the ones never dispatched.
     state = Ledger(ledger_uri).replay()
     dispatched = {r.sample_id for refs in state.windows.values() for r in refs}
+    # The keys this stream writes: its planned samples' and every one the ledger dispatched.
+    # Only these are ever deleted or audited; other datasets may share the store root.
+    keys = {feature_key(plan.contract.contract_id, s.sample_id) for s in plan.samples} | stream_keys(state)
     broker = start_sample_broker(window, max_inflight=o.max_inflight_samples, max_inflight_bytes=o.max_inflight_bytes,
                                  contract=plan.contract, store_uri=cfg.store_uri, endpoint_url=cfg.store.endpoint_url)
     pool = CapturePool(cfg.target.name, plan.contract, cfg.store_uri, endpoint_url=cfg.store.endpoint_url,
                        num_actors=cfg.capture.num_actors, num_cpus_per_actor=cfg.capture.num_cpus_per_actor,
                        target_dtype=cfg.target.dtype)
     if dispatched:
-        _adopt_leftovers(state, broker, pool.store)
+        _adopt_leftovers(state, broker, pool.store, keys)
     producer = _Producer(pool, broker, plan, progress, skip=dispatched)
     try:
         producer.start()
@@ -256,7 +261,7 @@ def _train_online(cfg: PipelineConfig, report: PipelineReport, progress: bool) -
         producer.check()
         stats = ray.get(broker.stats.remote(), timeout=60)
         checked = audit(Ledger(result.ledger_uri), source_ids=[s.sample_id for s in plan.samples],
-                        store=open_store(cfg.store_uri, endpoint_url=cfg.store.endpoint_url))
+                        store=open_store(cfg.store_uri, endpoint_url=cfg.store.endpoint_url), keys=keys)
     finally:
         producer.stop.set()
         pool.close()
@@ -273,13 +278,14 @@ def _train_online(cfg: PipelineConfig, report: PipelineReport, progress: bool) -
     return result.checkpoint
 
 
-def _adopt_leftovers(state, broker, store) -> None:
+def _adopt_leftovers(state, broker, store, keys: set[str]) -> None:
     """Resuming a stream: count what the killed run left in the store against the bound.
 
     The features the gang will re-dispatch or delete (outside / inside the newest
     checkpoint's history) are held in the broker before the producer starts, so the bound
-    still holds; blobs the ledger never saw dispatched (captured, not yet in a window) are
-    deleted: the producer captures those samples again, under the bound.
+    still holds; the stream's other blobs (captured, never dispatched) and temp files of its
+    interrupted writes are deleted: the producer captures those samples again, under the
+    bound. Only ``keys``, the stream's own, are looked at.
     """
     import ray
 
@@ -288,8 +294,7 @@ def _adopt_leftovers(state, broker, store) -> None:
     last = state.last_checkpoint()
     plan = recovery_plan(state, (last["attempt"], last["step"]) if last else None, recapture=True)
     kept = {r.key: r for r in plan.redispatch} | {r.key: r for w in plan.delete_windows for r in state.windows[w]}
-    known = [r.key for refs in state.windows.values() for r in refs]
-    for key in store_keys(store, known=known):
+    for key in store_keys(store, keys):
         if key not in kept:
             store.delete(key)
     ray.get(broker.hold.remote(list(kept.values())), timeout=60)

@@ -39,7 +39,7 @@ checkpoint ``(attempt k, step t)`` is what it was trained on: the ``trained`` tx
 its history, the refs to re-dispatch (every dispatched sample outside the history, in
 original order, whatever window it was in) and the keys still to delete. ``audit`` checks the
 promise: every source sample trained exactly once in the final model's lineage, none lost,
-no feature left in the store.
+no feature of the stream left in the store (other datasets may share its root).
 
 Sample ids must be unique within a stream (a new producer pass gets new ids, e.g.
 ``"epoch1/<id>"``): the ledger identifies samples by id.
@@ -56,7 +56,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Iterable
 
-from specray.capture.store import BlobStore, FeatureStore, SampleRef, TensorMeta, open_fs
+from specray.capture.store import TMP_MARK, BlobStore, FeatureStore, SampleRef, TensorMeta, is_temp_of, open_fs
 
 TXN_FILE = re.compile(r"^txn-(\d{10})\.json$")
 TXN_FIELDS = {
@@ -424,24 +424,48 @@ class AuditReport:
                 f"missing {few(self.missing)}, unexpected {few(self.unexpected)}, leftover {few(self.leftover_keys)}")
 
 
-def store_keys(store: BlobStore, known: Iterable[str] = ()) -> list[str]:
-    """Blobs left in ``store``.
+def store_keys(store: BlobStore, keys: Iterable[str]) -> list[str]:
+    """Which of ``keys`` are in ``store``, plus temp files of interrupted ``file://`` writes of them.
 
-    A ``file://`` or ``s3://`` store lists every key under its root (temp files of interrupted
-    writes included); other backends cannot list, so of them the ``known`` keys that exist.
+    Only the given keys are looked at (a store root may hold other datasets' blobs): a
+    ``file://`` or ``s3://`` store lists each directory that holds one of them once; other
+    backends cannot list, so each key is asked for.
     """
+    keys = set(keys)
     if not isinstance(store, FeatureStore):
-        return sorted(key for key in set(known) if store.exists(key))
-    if store.protocol == "s3":
-        store.fs.invalidate_cache(store.root)
-    if not store.fs.exists(store.root):
-        return []
-    return sorted(path[len(store.root) + 1:] for path in store.fs.find(store.root))
+        return sorted(key for key in keys if store.exists(key))
+    names_by_dir: dict[str, set[str]] = {}
+    for key in keys:
+        directory, _, name = key.rpartition("/")
+        names_by_dir.setdefault(directory, set()).add(name)
+    found = []
+    for directory, names in names_by_dir.items():
+        path = f"{store.root}/{directory}".rstrip("/")
+        if store.protocol == "s3":
+            store.fs.invalidate_cache(path)
+        try:
+            entries = [p.rsplit("/", 1)[-1] for p in store.fs.ls(path, detail=False)]
+        except FileNotFoundError:
+            continue
+        for entry in entries:
+            base = entry.rsplit(TMP_MARK, 1)[0]
+            if entry in names or (base in names and is_temp_of(entry, base)):
+                found.append(f"{directory}/{entry}" if directory else entry)
+    return sorted(found)
+
+
+def stream_keys(state: LedgerState) -> set[str]:
+    """Every key the ledger dispatched."""
+    return {ref.key for refs in state.windows.values() for ref in refs}
 
 
 def audit(ledger: Ledger | LedgerState, *, source_ids: Iterable[str], store: BlobStore,
-          final: tuple[int, int] | None = None) -> AuditReport:
-    """Check exactly-once training of ``source_ids`` in the lineage of ``final`` (default: newest checkpoint)."""
+          final: tuple[int, int] | None = None, keys: Iterable[str] | None = None) -> AuditReport:
+    """Check exactly-once training of ``source_ids`` in the lineage of ``final`` (default: newest checkpoint).
+
+    Leftovers are looked for among ``keys``, the keys the stream's producer writes (default:
+    every key the ledger dispatched); other blobs under the store root are not the stream's.
+    """
     state = ledger.replay() if isinstance(ledger, Ledger) else ledger
     if final is None:
         last = state.last_checkpoint()
@@ -454,5 +478,5 @@ def audit(ledger: Ledger | LedgerState, *, source_ids: Iterable[str], store: Blo
         duplicates={sid: n for sid, n in sorted(counts.items()) if n > 1},
         missing=sorted(source - set(counts)),
         unexpected=sorted(set(counts) - source),
-        leftover_keys=store_keys(store, (ref.key for refs in state.windows.values() for ref in refs)),
+        leftover_keys=store_keys(store, stream_keys(state) if keys is None else keys),
     )

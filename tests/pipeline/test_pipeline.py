@@ -165,11 +165,18 @@ def test_online_pipeline_resumes_after_its_driver_is_killed(ray_cluster, tmp_pat
         driver.wait(timeout=60)
     assert not (run_dir / "report.json").exists(), "the driver finished before it was killed: nothing was tested"
     before = Ledger(str(ledger_dir)).replay()
+    # Other datasets' blobs sharing the store root: not this stream's, so never deleted
+    stream_dir = next((run_dir / "features" / "features").iterdir())  # features/<contract id>/
+    foreign = [run_dir / "features" / "other-dataset" / "x.safetensors", stream_dir / "another-dataset-0.safetensors"]
+    for path in foreign:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"another dataset's features")
 
     cfg = load_config(PipelineConfig, "manifests/online.yaml", overrides)
     report, _ = run_pipeline(cfg, progress=False, resume=True)
     online = report.online
     _assert_exactly_once(online)
+    assert all(path.read_bytes() == b"another dataset's features" for path in foreign)
     dispatched_before = {r.sample_id for refs in before.windows.values() for r in refs}
     assert online["resumed_dispatched"] == len(dispatched_before) > 0
     # the resumed producer captured only what the first driver never dispatched

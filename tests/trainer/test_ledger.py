@@ -259,3 +259,20 @@ def test_two_writers_racing_on_s3_exactly_one_wins(seaweedfs):
     assert len(won) == 1 and len(lost) == 1, outcomes
     assert "another process writes this ledger" in str(lost[0])
     assert [t.seq for t in Ledger(uri).read()] == [0]
+
+
+def test_audit_looks_for_leftovers_among_the_streams_keys_only(tmp_path):
+    store = FeatureStore(str(tmp_path / "store"))
+    ledger = Ledger(str(tmp_path / "ledger"))
+    _crashed_then_resumed(ledger)
+    store.put_bytes("other-dataset/x.safetensors", b"another dataset sharing the store root")
+    store.put_bytes("features/zz.safetensors", b"another dataset's sample, same directory")
+    assert audit(ledger, source_ids="abcdef", store=store).ok
+
+    temp = f"features/a.safetensors.tmp-{'0' * 32}"  # a write of one of ours that died before its rename
+    (tmp_path / "store" / temp).write_bytes(b"partial")
+    store.put_bytes("features/q.safetensors", b"captured by the producer, never dispatched")
+    report = audit(ledger, source_ids="abcdef", store=store, keys=[_ref(i).key for i in "abcdefghq"])
+    assert report.leftover_keys == [temp, "features/q.safetensors"]
+    store.delete(_ref("a").key)  # deleting the key takes its dead writes along
+    assert audit(ledger, source_ids="abcdef", store=store).ok
