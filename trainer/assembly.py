@@ -1,11 +1,12 @@
 """Assembling a training run: what one rank trains, built the same way for every driver.
 
-``specray train`` (``pipeline/train_job.py``), the Ray trainer gang (``actors/trainer.py``) and
-the one-accelerator path (``pipeline/onegpu.py``) hand this module a ``TrainSpec`` — plain
-values and the validated ``drafter`` / ``objective`` sections, no pipeline config — and get the
-same target, drafter, strategy and ``TrainerCore`` back (``build_rank``). The algorithm comes
-from the registries (``specray.drafters.DRAFTERS``, ``specray.trainer.strategies.STRATEGIES``):
-the drafter section derives its model config (``drafter_config``), the strategy builds the model.
+``specray train`` (``pipeline/train_job.py``) and the Ray trainer gang (``actors/trainer.py``)
+hand this module a ``TrainSpec`` — plain values and the validated ``drafter`` / ``objective``
+sections, no pipeline config — and get the same target, drafter, strategy and ``TrainerCore``
+back (``build_rank``); the one-accelerator path (``pipeline/onegpu.py``) builds its drafters
+with the same ``fresh_drafter``. The algorithm comes from the registries
+(``specray.drafters.DRAFTERS``, ``specray.trainer.strategies.STRATEGIES``): the drafter section
+derives its model config (``drafter_config``), the strategy builds the model.
 
 Also here: the checks that features fit the drafter (``check_capture_fits``), the draft
 vocabulary counted once from a manifest (``prepare_draft_vocab``) and starting from an export
@@ -50,7 +51,7 @@ class TrainSpec:
     manifest: str | None  # features to train on; None = an online stream
     endpoint_url: str | None  # S3 endpoint of the manifest and its store
     max_length: int | None  # cut samples to this many tokens
-    world_size: int  # DP ranks
+    world_size: int  # DP ranks of specray train (the gang's are its num_workers)
     log_every: int
     checkpoint_every: int
     keep_last: int | None  # checkpoints kept (None = all)
