@@ -19,12 +19,16 @@ Stages (each timed into ``report.json``'s ``stage_seconds``):
 
 Everything lands in the run dir (default ``runs/<name>/``); ``report.json`` holds ``tau``,
 ``speedup_vs_ar``, ``stage_seconds`` and ``drafter_dir`` among the rest. A pipeline owns its
-run dir: a rerun of the same name replaces it (a directory it did not make is refused).
+run dir: a rerun of the same name replaces it (a directory it did not make is refused). What a
+rerun cannot replace is refused too: when ``train.storage`` or ``online.ledger`` lie outside
+the run dir (as in the KubeRay RayJob) and already hold this run's ledger transactions or
+checkpoints, a run without ``--resume`` stops with the fix instead of silently continuing them.
 
 Resuming: a crashed trainer worker is restarted by Ray Train from the last checkpoint
 (``train.max_failures``) within the run, and the ledger makes that exactly-once. A crashed
 *driver* (the process running this, killed with everything it started) is resumed by
-``specray pipeline run --resume MANIFEST``, which keeps the run dir:
+``specray pipeline run --resume MANIFEST``, which keeps the run dir (or starts an empty one
+when the run's state lives in ``train.storage`` only, e.g. a RayJob on a new pod):
 
 - offline: a complete capture (its manifest exists; it is written last) is reused, and the
   trainer gang resumes from its newest checkpoint (same storage and name, actors/trainer.py);
@@ -103,7 +107,7 @@ def run_pipeline(cfg: PipelineConfig, *, progress: bool = True, resume: bool = F
     ``resume`` continues an interrupted run in its run dir (module docstring) instead of replacing it."""
     from specray.trainer.export import export_checkpoint
 
-    run_dir = _resumed_run_dir(cfg.run_dir) if resume else _fresh_run_dir(cfg.run_dir)
+    run_dir = _resumed_run_dir(cfg) if resume else _fresh_run_dir(cfg.run_dir, refuse=_earlier_run(cfg))
     report = PipelineReport(cfg.name, cfg.mode, str(run_dir.resolve()))
     from specray.actors.cluster import connect
 
@@ -143,8 +147,18 @@ def run_pipeline(cfg: PipelineConfig, *, progress: bool = True, resume: bool = F
 MARKER = ".specray-pipeline"
 
 
-def _fresh_run_dir(run_dir: Path) -> Path:
-    """A pipeline owns its run dir: a rerun replaces it. Only a dir a pipeline made is ever deleted."""
+def _fresh_run_dir(run_dir: Path, refuse: list[str] = ()) -> Path:
+    """A pipeline owns its run dir: a rerun replaces it. Only a dir a pipeline made is ever deleted.
+
+    ``refuse`` lists an earlier run's state outside the run dir (``_earlier_run``): a rerun
+    cannot replace it, so a fresh run with it is refused, before anything is deleted.
+    """
+    if refuse:
+        raise FileExistsError(
+            f"a fresh run would continue an earlier one: {'; '.join(refuse)}. These lie outside the run dir "
+            f"{run_dir}, so a rerun does not replace them. Continue that run with `specray pipeline run --resume "
+            "MANIFEST`, or start a new one under a new name (name=...) or with new train.storage / online.ledger"
+        )
     if run_dir.exists() and any(run_dir.iterdir()):
         if not (run_dir / MARKER).exists():
             raise FileExistsError(f"{run_dir} exists and was not made by specray pipeline; set output.run_dir "
@@ -155,11 +169,54 @@ def _fresh_run_dir(run_dir: Path) -> Path:
     return run_dir
 
 
-def _resumed_run_dir(run_dir: Path) -> Path:
-    if not (run_dir / MARKER).exists():
-        raise FileNotFoundError(f"nothing to resume: {run_dir} is not a pipeline run dir (no {MARKER}); "
-                                "run without --resume to start the run")
-    return run_dir
+def _resumed_run_dir(cfg: PipelineConfig) -> Path:
+    """The run dir to continue in: the interrupted run's, or a new one when its state lives in storage only.
+
+    (A RayJob on a new pod has an empty run dir, but its ledger and checkpoints in ``train.storage``.)
+    """
+    if (cfg.run_dir / MARKER).exists():
+        return cfg.run_dir
+    if not _earlier_run(cfg):
+        raise FileNotFoundError(f"nothing to resume: {cfg.run_dir} is not a pipeline run dir (no {MARKER}), and "
+                                "train.storage / online.ledger hold no ledger or checkpoints of this run; run "
+                                "without --resume to start the run")
+    return _fresh_run_dir(cfg.run_dir)
+
+
+def _training_locations(cfg: PipelineConfig) -> tuple[str, str]:
+    """(the gang's Ray Train run directory, the ledger) of this pipeline, as the gang resolves them."""
+    storage = (cfg.train.storage or str(cfg.run_dir / "ray-train")).rstrip("/")
+    run = f"{storage}/{cfg.train_job(None).name}"
+    ledger = cfg.online.ledger if cfg.mode == "online" and cfg.online.ledger else f"{run}/ledger"
+    return run, ledger
+
+
+def _earlier_run(cfg: PipelineConfig) -> list[str]:
+    """What an earlier run of this pipeline left outside its run dir: ledger transactions, checkpoints."""
+    from specray.capture.store import open_fs
+    from specray.trainer.ledger import Ledger
+
+    run, ledger = _training_locations(cfg)
+    found = []
+    if not _inside(ledger, cfg.run_dir) and (count := Ledger(ledger).count()):
+        found.append(f"the ledger {ledger} holds {count} transactions")
+    if not _inside(run, cfg.run_dir):
+        fs, root, _ = open_fs(run)
+        try:
+            names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
+        except FileNotFoundError:
+            names = []
+        checkpoints = [n for n in names if n.startswith("checkpoint-")]
+        if checkpoints:
+            found.append(f"{run} holds {len(checkpoints)} checkpoints (newest {checkpoints[-1]})")
+    return found
+
+
+def _inside(uri: str, run_dir: Path) -> bool:
+    """Whether a path or URI lies in ``run_dir`` (which a fresh run replaces)."""
+    if "://" in uri and not uri.startswith("file://"):
+        return False
+    return Path(uri.removeprefix("file://")).resolve().is_relative_to(run_dir.resolve())
 
 
 def _capture(cfg: PipelineConfig, report: PipelineReport, progress: bool, *, reuse: bool = False) -> str:
@@ -233,7 +290,7 @@ def _train_online(cfg: PipelineConfig, report: PipelineReport, progress: bool) -
     steps = -(-len(plan.samples) // window)  # one pass: the stream is consume-once
     storage = t.storage or str(cfg.run_dir / "ray-train")
     train_job = cfg.train_job(None).model_copy(update={"optim": t.optim.model_copy(update={"total_steps": steps})})
-    ledger_uri = o.ledger or f"{storage.rstrip('/')}/{train_job.name}/ledger"
+    ledger_uri = _training_locations(cfg)[1]
     # Samples an earlier run of this stream dispatched are the gang's to re-dispatch (from the
     # ledger, on resume); the producer captures only the ones never dispatched.
     state = Ledger(ledger_uri).replay()

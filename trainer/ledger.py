@@ -162,6 +162,12 @@ class Ledger:
     def replay(self) -> "LedgerState":
         return LedgerState.from_txns(self.read())
 
+    def count(self) -> int:
+        """How many transactions the ledger holds (without reading them)."""
+        if self.protocol == "s3":
+            self.fs.invalidate_cache(self.root)
+        return len(self._seqs())
+
     # -- writing ---------------------------------------------------------------------------
 
     def append(self, kind: str, **fields) -> Txn:

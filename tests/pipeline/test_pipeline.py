@@ -256,3 +256,54 @@ def test_online_capture_failure_ends_the_run_promptly_with_its_error(ray_cluster
     assert len(delivered) >= 2, "the injected failure never happened: nothing was tested"
     assert isinstance(outcome[0], RuntimeError), outcome[0]
     assert "online capture failed: RuntimeError: injected: the broker refused an offer" in str(outcome[0])
+
+
+class _Started(Exception):
+    """Raised by a stubbed cluster connect: the run got past its checks."""
+
+
+@pytest.mark.parametrize("mode, left, storage", [
+    ("online", "ledger", "file"), ("offline", "checkpoint", "file"),
+    pytest.param("online", "checkpoint", "s3", marks=pytest.mark.s3),
+])
+def test_a_fresh_run_on_storage_holding_an_earlier_run_is_refused(request, tmp_path, monkeypatch, mode, left, storage):
+    """train.storage outside the run dir (a RayJob's S3): without --resume the run would silently continue."""
+    import uuid
+
+    from specray.actors import cluster
+    from specray.capture.store import open_fs
+    from specray.pipeline.pipeline_job import MARKER, run_pipeline
+    from specray.trainer.ledger import Ledger
+
+    def connect(*args, **kwargs):
+        raise _Started
+
+    monkeypatch.setattr(cluster, "connect", connect)
+    if storage == "s3":
+        storage = request.getfixturevalue("seaweedfs").uri(f"storage-{uuid.uuid4().hex[:8]}")
+    else:
+        storage = str(tmp_path / "storage")
+    cfg = load_config(PipelineConfig, f"manifests/{'online' if mode == 'online' else 'quickstart'}.yaml",
+                      [*TINY, f"train.storage={storage}", f"output.run_dir={tmp_path / 'run'}"])
+    run = f"{storage}/{cfg.train_job(None).name}"
+    if left == "ledger":
+        Ledger(f"{run}/ledger").attempt(0, parent=None, world_size=1, quantum=2, checkpoint=None, run=run)
+    else:
+        fs, root, _ = open_fs(f"{run}/checkpoint-a000-s00000002")
+        fs.makedirs(root, exist_ok=True)
+        fs.pipe_file(f"{root}/state", b"")  # a checkpoint directory (a prefix on S3)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / MARKER).write_text("")
+    (tmp_path / "run" / "report.json").write_text("{}")
+    with pytest.raises(FileExistsError, match=rf"{left}.*outside the run dir.*--resume.*new name"):
+        run_pipeline(cfg, progress=False)
+    assert (tmp_path / "run" / "report.json").exists(), "the refused run deleted the earlier run dir"
+    with pytest.raises(_Started):
+        run_pipeline(cfg, progress=False, resume=True)  # what the error says to do
+
+    inside = load_config(PipelineConfig, "manifests/online.yaml", [*TINY, f"output.run_dir={tmp_path / 'run'}"])
+    ledger = Ledger(str(tmp_path / "run" / "ray-train" / inside.train_job(None).name / "ledger"))
+    ledger.attempt(0, parent=None, world_size=1, quantum=2, checkpoint=None, run="r")
+    with pytest.raises(_Started):  # inside the run dir: a rerun replaces it, as always
+        run_pipeline(inside, progress=False)
+    assert not (tmp_path / "run" / "ray-train").exists()
