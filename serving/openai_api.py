@@ -40,12 +40,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from specray.serving.engine import GenerationOutput, RequestHandle, StreamDelta
+from specray.serving.engine import GenerationOutput, QueueFullError, RequestHandle, StreamDelta
 from specray.serving.http_guard import DOCS_PATHS, HttpLimits, RequestGuard, error_response
-from specray.serving.sampling import SamplingParams
+from specray.serving.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
 
 DEFAULT_CHAT_MAX_TOKENS = 256  # when a chat request sets neither max_tokens nor max_completion_tokens
-MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256  # as SamplingParams bounds them, checked here to name the field
+RETRY_AFTER_S = 1  # told to clients when the engine's wait queue is full
 
 
 # -- protocol models ---------------------------------------------------------------------
@@ -120,16 +120,18 @@ class APIError(Exception):
     """An error answered with OpenAI's error body."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
 
     @property
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, type=self.type, param=self.param, code=self.code)
+        return error_response(self.status, self.message, type=self.type, param=self.param, code=self.code,
+                              headers=self.headers)
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -290,6 +292,9 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, limits: H
             return engine.submit(prompt, request.sampling_params(max_tokens))
         except ValueError as e:  # SamplingParams and the engine's prompt checks: the request's fault
             raise APIError(400, str(e)) from None
+        except QueueFullError as e:  # overloaded, not broken: the client retries (openai's client does)
+            raise APIError(503, f"the server is busy, retry later: {e}", type="server_error", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
 
     async def answer(chat: bool, request: _SamplingFields, handle: RequestHandle):
         responder = _Responder(chat, model_name, handle)

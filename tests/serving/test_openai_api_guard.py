@@ -1,7 +1,7 @@
 """The OpenAI app's guard and request bounds (no Ray): the key is checked before the body is
 read, a server without a key answers loopback clients only, bodies and prompts are capped
-before any tokenizing, stop strings are bounded, the API docs are off and /health reveals no
-paths or errors; the engine keeps serving after each refusal."""
+before any tokenizing, stop strings are bounded, a full wait queue is a 503 to retry, the API
+docs are off and /health reveals no paths or errors; the engine keeps serving after each refusal."""
 
 import asyncio
 import json
@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 
 from specray.serving.engine import Engine, EngineLoop
 from specray.serving.openai_api import create_app
+from specray.serving.sampling import SamplingParams
 
 KEY = "sk-guard-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -207,3 +208,24 @@ def test_malformed_bodies_are_400s_that_say_why(engine, content, headers, param,
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and message in r.json()["error"]["message"], r.text
     assert spy.calls == []
+
+
+def test_a_full_wait_queue_is_a_503_to_retry(debug_target):
+    """The engine refuses a request beyond max_waiting (QueueFullError): the client gets a 503
+    with Retry-After, which openai's client retries, and the engine serves the queued ones."""
+    engine = Engine(debug_target, None, max_batch=1, max_len=256, max_waiting=1)  # not stepped yet: all wait
+    _, app = _app(engine, api_key=KEY)
+    queued = engine.submit("Hi", SamplingParams(max_tokens=2))
+    client = TestClient(app, client=LOOPBACK)
+    for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions",
+                                                              {"messages": [{"role": "user", "content": "x"}]})):
+        r = client.post(path, json=body | {"max_tokens": 2}, headers=AUTH)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert (r.json()["error"]["type"], r.json()["error"]["code"]) == ("server_error", "queue_full")
+        assert "retry later" in r.json()["error"]["message"] and "max_waiting" in r.json()["error"]["message"]
+    loop = EngineLoop(engine).start()
+    try:
+        assert len(queued.result(timeout=60).token_ids) >= 1
+        _still_serving(client)
+    finally:
+        loop.stop()
