@@ -43,7 +43,8 @@ import torch
 from torch import nn
 
 from specray.capture.target import Target
-from specray.serving.requests import GenerationOutput, Request, RequestHandle, StreamDelta
+from specray.serving.requests import (GenerationOutput, Request, RequestHandle, StreamDelta, check_prompt,
+                                      encode_prompt)
 from specray.serving.runner import LlamaRunner
 from specray.serving.sampling import SamplingParams, sample_each
 from specray.serving.versions import DrafterVersion, DrafterVersions
@@ -133,30 +134,15 @@ class Engine:
 
     def encode(self, prompt) -> list[int]:
         """A string (rendered as one user turn), a chat message list, or token ids."""
-        if isinstance(prompt, str):
-            prompt = [{"role": "user", "content": prompt}]
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            return self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return list(prompt)
-        raise ValueError("a prompt is a string, a list of chat messages, or a list of token ids")
+        return encode_prompt(self.tokenizer, prompt)
 
     def tokenize(self, text: str) -> list[int]:
         """Raw text (no chat template) to token ids: the prompt of a plain completion."""
         return self.tokenizer(text, add_special_tokens=True)["input_ids"]
 
     def _check(self, ids: list[int], params: SamplingParams, version: DrafterVersion) -> None:
-        if not ids:
-            raise ValueError("the prompt is empty")
-        need = len(ids) + params.max_tokens + version.worker.max_verify_rows
-        if need > self.max_len:
-            raise ValueError(
-                f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} does not fit the engine's "
-                f"context of {self.max_len} tokens; shorten the prompt or lower max_tokens"
-            )
-        bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.target.vocab_size})")
+        check_prompt(ids, params, max_len=self.max_len, vocab_size=self.target.vocab_size,
+                     verify_rows=version.worker.max_verify_rows)
 
     def submit(self, prompt, params: SamplingParams | None = None, *, request_id: str | None = None) -> RequestHandle:
         """Queue one request (thread-safe). A bad prompt or one that does not fit raises ValueError;
@@ -278,7 +264,8 @@ class Engine:
             tokens, errors = sample_each(logits, [r.params for r in group], [r.generator for r in group])
             for r, first, error in zip(group, tokens, errors):
                 r.error = error
-                emitted += self._append(r, first)
+                r.append(first, self.eos_ids, self.decode)
+                emitted += len(r.tokens)
         return emitted
 
     def _round(self, version: DrafterVersion, group: list[Request]) -> int:
@@ -305,11 +292,6 @@ class Engine:
             else:
                 version.stats.plain_steps += 1
         return emitted
-
-    def _append(self, r: Request, tokens: list[int]) -> int:
-        before = len(r.tokens)
-        r.append(tokens, self.eos_ids, self.decode)
-        return len(r.tokens) - before
 
     @staticmethod
     def _fail(group: list[Request], error: BaseException) -> None:

@@ -1,5 +1,6 @@
-"""Requests as the engine keeps them and as callers see them: ``RequestHandle`` (stream, result,
-abort), ``StreamDelta``, ``GenerationOutput``, and stop handling (``Request.append``).
+"""Requests as the engine keeps them and as callers see them: prompt encoding and checks,
+``RequestHandle`` (stream, result, abort), ``StreamDelta``, ``GenerationOutput``, and stop
+handling (``Request.append``).
 
 Stops — EOS, ``stop_token_ids``, ``stop`` strings, ``max_tokens`` — cut the output at the exact
 token even inside an accepted block; later tokens of that block are discarded. A stop string is
@@ -82,6 +83,30 @@ def stop_hit(decode: Decode, tokens: list[int], stops: tuple[str, ...]) -> bool:
         if len(text) >= need or window >= len(tokens):
             return False
         window *= 2
+
+
+def encode_prompt(tokenizer, prompt) -> list[int]:
+    """A string (rendered as one user turn), a chat message list, or token ids -> token ids."""
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    raise ValueError("a prompt is a string, a list of chat messages, or a list of token ids")
+
+
+def check_prompt(ids: list[int], params: SamplingParams, *, max_len: int, vocab_size: int, verify_rows: int) -> None:
+    """Refuse (ValueError) an empty prompt, ids outside the vocabulary, or a request whose prompt +
+    ``max_tokens`` + one round's ``verify_rows`` does not fit ``max_len`` KV positions."""
+    if not ids:
+        raise ValueError("the prompt is empty")
+    if len(ids) + params.max_tokens + verify_rows > max_len:
+        raise ValueError(f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} does not fit the engine's "
+                         f"context of {max_len} tokens; shorten the prompt or lower max_tokens")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
 
 
 class RequestHandle:
