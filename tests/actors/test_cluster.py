@@ -2,6 +2,7 @@
 --head`` recipe (token authentication) works on a machine that never made a Ray token."""
 
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -104,4 +105,6 @@ def test_readme_head_node_recipe_works_from_a_fresh_home(ray_cluster, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         left = _stop_only(proc.pid, temp_dir)
+        if not left:
+            shutil.rmtree(temp_dir, ignore_errors=True)
     assert left == [], f"processes of the test's head node still running: {left}"
