@@ -147,16 +147,17 @@ class DrafterRegistry:
                     f"{', '.join(EXPORT_FILES)} (no paths), so it is not pulled")
             info = self.fs.info(f"{source}/{name}")
             if info["type"] != "file" or info.get("islink"):
-                raise RejectedVersionError(f"{self.uri} version {version}: {name} is not a regular file "
-                                           f"({'a symlink' if info.get('islink') else info['type']}), so it is not pulled")
+                kind = "a symlink" if info.get("islink") else info["type"]
+                raise RejectedVersionError(f"{self.uri} version {version}: {name} is not a regular file ({kind}), "
+                                           "so it is not pulled")
         return files
 
 
 class RegistryPoller:
     """Every ``interval_s``, pull the registry's latest version if it is newer than any seen and
     hand it to ``engine.load_drafter`` (which validates it in the background and switches between
-    steps). A version the registry refuses to pull or the engine rejects is not retried; a registry that cannot be read is
-    retried at the next poll (``last_error`` says why)."""
+    steps). A version the registry refuses to pull or the engine rejects is not retried; a registry
+    that cannot be read is retried at the next poll (``last_error`` says why)."""
 
     def __init__(self, registry: DrafterRegistry, engine, *, cache_dir: str | Path, interval_s: float = 10.0,
                  load_timeout_s: float = 600.0):
