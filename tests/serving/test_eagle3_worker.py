@@ -1,0 +1,220 @@
+"""EAGLE-3 worker on the debug target: lossless greedy chains, the drafter's cache after every round
+equals a fresh prefill of the accepted text, and sampled rounds keep the target's distribution."""
+
+import json
+
+import pytest
+import torch
+
+from specray.capture.contract import build_contract
+from specray.drafters.eagle3 import Eagle3Drafter, debug_config
+from specray.drafters.format import save_drafter
+from specray.serving.engine import Engine
+from specray.serving.runner import LlamaRunner
+from specray.serving.sampling import SamplingParams, sample_next
+from specray.serving.workers.eagle3 import DEFAULT_NUM_DRAFTS, Eagle3Worker
+
+PROMPTS = ["Hi", "Tell me about dragons and castles.", "1 2 3 4 5 6"]
+
+
+def _drafter(target, draft_vocab=None, seed=0):
+    torch.manual_seed(seed)
+    cfg = debug_config(target, draft_vocab_size=None if draft_vocab is None else len(draft_vocab))
+    model = Eagle3Drafter(cfg, embed_tokens=target.model.model.embed_tokens, lm_head=target.model.lm_head)
+    with torch.no_grad():  # a larger scale than the init's: drafts that differ from one another
+        for p in model.parameters():
+            p.mul_(4.0) if p.dim() == 2 else None
+    if draft_vocab is not None:
+        model.set_draft_vocab(draft_vocab)
+    return model.eval().requires_grad_(False)
+
+
+def _worker(target, drafter, k=3, slots=3):
+    runner = LlamaRunner(target.model, num_slots=slots, max_len=512, capture_layer_ids=drafter.config.target_layer_ids)
+    return Eagle3Worker(runner, drafter, num_speculative_tokens=k)
+
+
+def _encode(target, text):
+    return target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=True)["input_ids"]
+
+
+def _generate(worker, prompts, max_new, params=None, seed=0, release=True):
+    """Drive the worker as the engine does: prefill, sample the first anchor, step until max_new
+    tokens, release. Returns the tokens per request and the StepOutput of every round."""
+    B = len(prompts)
+    params = params or SamplingParams()
+    generators = [torch.Generator().manual_seed(seed + b) for b in range(B)]
+    logits = worker.prefill(list(range(B)), prompts)
+    out = [[sample_next(logits[b], params, generators[b])] for b in range(B)]
+    rounds = []
+    while min(len(o) for o in out) < max_new:
+        step = worker.step(list(range(B)), [o[-1] for o in out], [params] * B, generators)
+        for o, tokens in zip(out, step.tokens):
+            o += tokens
+        rounds.append(step)
+    for slot in range(B) if release else ():  # the engine frees finished requests' slots and drafter state
+        worker.runner.cache.release(slot)
+        worker.release(slot)
+    return [o[:max_new] for o in out], rounds
+
+
+def _hf_greedy(target, ids, max_new):
+    with torch.inference_mode():
+        out = target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                    max_new_tokens=max_new, do_sample=False, pad_token_id=target.pad_token_id)
+    return out[0, len(ids):].tolist()
+
+
+def _to_eos(target, tokens):
+    """The tokens up to and including the first EOS (where transformers' generate stops)."""
+    eos = target.tokenizer.eos_token_id
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+@pytest.fixture(scope="module")
+def eagle3_export(debug_target, tmp_path_factory):
+    """An untrained EAGLE-3 drafter for the debug target, exported like a trained one."""
+    contract = build_contract("eagle3", target_fingerprint=debug_target.target_fingerprint,
+                              template_fingerprint=debug_target.template_fingerprint,
+                              num_target_layers=debug_target.num_layers, hidden_size=debug_target.hidden_size)
+    return save_drafter(tmp_path_factory.mktemp("eagle3") / "export", _drafter(debug_target),
+                        contract=json.loads(contract.to_json()), provenance={"run": "random"})
+
+
+@pytest.mark.parametrize("k", [None, 1])
+def test_engine_greedy_equals_transformers_generate(debug_target, eagle3_export, k):
+    engine = Engine(debug_target, str(eagle3_export), max_batch=3, max_len=512, num_speculative_tokens=k)
+    assert engine.worker.max_verify_rows == (k or DEFAULT_NUM_DRAFTS) + 1
+    outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=24))
+    for out in outputs:
+        expected = _to_eos(debug_target, _hf_greedy(debug_target, out.prompt_ids, 24))
+        assert out.token_ids == [t for t in expected if t != debug_target.tokenizer.eos_token_id]  # the engine stops at EOS
+        assert out.rounds >= 1
+    seeded = SamplingParams(max_tokens=12, temperature=0.8, seed=3)
+    assert [o.token_ids for o in engine.generate(PROMPTS, seeded)] == \
+        [o.token_ids for o in engine.generate(PROMPTS, seeded)]
+
+
+class _Oracle:
+    """Replaces ``propose``: the target's own greedy continuation with position ``round % (k+1)``
+    corrupted, so rounds accept every r in 0..k while the drafter's chain still runs."""
+
+    def __init__(self, worker, target, history, anchors):
+        self.worker, self.target, self.history, self.anchors, self.round = worker, target, history, anchors, 0
+        self.propose = worker.propose
+        worker.propose = self
+
+    def __call__(self, slots, params, generators):
+        drafts, qs = self.propose(slots, params, generators)  # the chain runs (and writes its scratch rows)
+        drafts, k = drafts.clone(), drafts.shape[1]
+        for b, slot in enumerate(slots):
+            cont = (_hf_greedy(self.target, self.history[slot] + [self.anchors[b]], k) + [0] * k)[:k]
+            if self.round % (k + 1) < k:
+                cont[self.round % (k + 1)] = (cont[self.round % (k + 1)] + 1) % self.target.vocab_size
+            drafts[b] = torch.tensor(cont)
+        self.round += 1
+        return drafts, qs
+
+
+def _assert_drafter_state_equals_a_fresh_prefill(target, drafter, worker, slot, text):
+    """``text`` = prompt + emitted tokens; its last token is the current anchor."""
+    fresh = _worker(target, drafter, slots=1)
+    fresh.prefill([0], [text[:-1]])
+    fresh._take_anchors([0], [text[-1]])
+    n = int(fresh.cache.committed[0])
+    assert n == len(text) - 1 == int(worker.cache.committed[slot]) == int(worker.runner.cache.committed[slot])
+    for layer in range(drafter.config.num_layers):
+        torch.testing.assert_close(worker.cache.k[layer, slot, :, :n], fresh.cache.k[layer, 0, :, :n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(worker.cache.v[layer, slot, :, :n], fresh.cache.v[layer, 0, :, :n], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(worker.state[slot], fresh.state[0], rtol=1e-5, atol=1e-5)
+
+
+def test_drafter_cache_after_every_round_equals_a_fresh_prefill_of_the_accepted_text(debug_target):
+    drafter = _drafter(debug_target)
+    worker = _worker(debug_target, drafter, k=3, slots=2)
+    prompts = [_encode(debug_target, p) for p in PROMPTS[:2]]
+    history = {0: list(prompts[0]), 1: list(prompts[1])}
+    logits = worker.prefill([0, 1], prompts)
+    anchors = [int(logits[0].argmax()), int(logits[1].argmax())]
+    oracle = _Oracle(worker, debug_target, history, anchors)
+    accepted = set()
+    for _ in range(6):
+        step = worker.step([0, 1], anchors, [SamplingParams()] * 2, [None, None])
+        for b in (0, 1):
+            history[b] += [anchors[b]] + step.tokens[b][:-1]
+            anchors[b] = step.tokens[b][-1]
+            accepted.add(step.accepted[b])
+            _assert_drafter_state_equals_a_fresh_prefill(debug_target, drafter, worker, b, history[b] + [anchors[b]])
+    assert accepted == {0, 1, 2, 3} and oracle.round == 6  # every rejection point, and a full acceptance
+
+
+def test_plain_steps_keep_the_drafter_state_and_stay_lossless(debug_target):
+    drafter = _drafter(debug_target)
+    worker = _worker(debug_target, drafter, k=2, slots=2)
+    worker.max_speculative_batch = 1  # two requests: plain steps
+    prompts = [_encode(debug_target, p) for p in PROMPTS[:2]]
+    tokens, rounds = _generate(worker, prompts, 6, release=False)
+    assert not any(step.speculative for step in rounds) and worker.stats()["steps"] == 0
+    for prompt, got in zip(prompts, tokens):
+        assert _to_eos(debug_target, got) == _hf_greedy(debug_target, prompt, 6)
+        _assert_drafter_state_equals_a_fresh_prefill(debug_target, drafter, worker, prompts.index(prompt), prompt + got)
+
+
+def test_sampled_drafts_come_from_the_q_handed_to_verification(debug_target):
+    vocab = torch.arange(0, debug_target.vocab_size, 3)
+    worker = _worker(debug_target, _drafter(debug_target, vocab), k=3, slots=2)
+    prompts = [_encode(debug_target, p) for p in PROMPTS[:2]]
+    worker.prefill([0, 1], prompts)
+    worker._take_anchors([0, 1], [5, 7])
+    params = [SamplingParams(temperature=1.0), SamplingParams()]
+    drafts, qs = worker.propose([0, 1], params, [torch.Generator().manual_seed(0), None])
+    assert drafts.shape == (2, 3) and torch.isin(drafts, vocab).all()
+    q = qs[0]  # [k, V]: zero outside the draft vocabulary, the drafts drawn from it
+    outside = torch.ones(debug_target.vocab_size, dtype=torch.bool)
+    outside[vocab] = False
+    assert q.shape == (3, debug_target.vocab_size) and torch.allclose(q.sum(-1), torch.ones(3))
+    assert (q[:, outside] == 0).all() and (q[torch.arange(3), drafts[0]] > 0).all()
+    assert qs[1] is None  # greedy: argmax, no q
+
+
+@pytest.fixture
+def one_thread():
+    """1,024 tiny forwards: one intra-op thread keeps them from spinning on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_sampled_rounds_keep_the_targets_distribution(debug_target, one_thread):
+    """Two tokens per request at temperature 1, top-k 3: the first from the prefill, the second from
+    a round (drafts accepted or rejected). Their joint frequency matches the target's p(t1) p(t2|t1)."""
+    prompt = _encode(debug_target, "Hi")
+    params = SamplingParams(temperature=1.0, top_k=3)
+    with torch.inference_mode():
+        first = torch.topk(debug_target.model(torch.tensor([prompt])).logits[0, -1], 3)
+        p1 = dict(zip(first.indices.tolist(), first.values.softmax(-1).tolist()))
+        exact = {}
+        for t1, w1 in p1.items():
+            second = torch.topk(debug_target.model(torch.tensor([prompt + [t1]])).logits[0, -1], 3)
+            for t2, w2 in zip(second.indices.tolist(), second.values.softmax(-1).tolist()):
+                exact[(t1, t2)] = w1 * w2
+    # a draft vocabulary of the target's candidates, so drafts are sometimes accepted (1st and 2nd)
+    drafter = _drafter(debug_target, torch.tensor(sorted({t for pair in exact for t in pair})), seed=2)
+    worker = _worker(debug_target, drafter, k=2, slots=8)
+    counts: dict[tuple[int, int], int] = {}
+    accepted = [0, 0]  # rounds that accepted d1, and d1 and d2
+    for batch in range(128):
+        tokens, rounds = _generate(worker, [prompt] * 8, 2, params, seed=batch * 8)
+        for r in rounds[0].accepted:
+            accepted[0], accepted[1] = accepted[0] + (r >= 1), accepted[1] + (r >= 2)
+        for t in tokens:
+            counts[tuple(t)] = counts.get(tuple(t), 0) + 1
+    n = sum(counts.values())
+    assert set(counts) <= set(exact)
+    # 9 cells, 8 degrees of freedom: p = 0.001. A q that claims less than the drafts were drawn
+    # from (accepting too often) gives chi2 > 100 here.
+    chi2 = sum((counts.get(c, 0) - n * p) ** 2 / (n * p) for c, p in exact.items())
+    assert chi2 < 26.1, (chi2, counts)
+    assert accepted[0] > 0.05 * n and accepted[1] > 0  # both branches ran, at both chain depths
