@@ -36,6 +36,7 @@ the replacement replica first answered. Needs the ``openai`` package (the ``dev`
 from __future__ import annotations
 
 import gc
+import os
 import secrets
 import shutil
 import socket
@@ -335,6 +336,7 @@ class _Run:
         self.killed_replica: str | None = None
         self.t0 = self.seconds = 0.0
         self.unfinished_clients = 0
+        self.load_average_at_start: list[float] = []  # 1, 5, 15 min: the report's environment has the end's
 
     def execute(self) -> None:
         o = self.options
@@ -342,6 +344,7 @@ class _Run:
         faults = sorted([(o.publish_at, self._publish_next), (o.bad_at, self._publish_bad), (o.kill_at, self._kill)],
                         key=lambda f: f[0])
         stop = threading.Event()
+        self.load_average_at_start = list(os.getloadavg())
         self.t0 = time.monotonic()
         deadline = self.t0 + self.seconds
         pool = ThreadPoolExecutor(max_workers=o.clients, thread_name_prefix="bench-load-client")
@@ -492,7 +495,7 @@ def _report(options: LoadBenchOptions, cfg: ServeJobConfig, references: list[_Re
         "replicas": replicas, "metrics_read_errors": dict(monitor.errors),
         "checks": _checks(run, failures, greedy, versions, replicas),
         "attempts": [asdict(a) | {"text": None} for a in run.attempts if a.error or a.retry],
-        "environment": _environment(),
+        "environment": _environment() | {"load_average_at_start": run.load_average_at_start},
     }
 
 
@@ -524,5 +527,8 @@ def load_table(result: dict) -> str:
         since = ", ".join(f"{'AR' if v == 'None' else 'v' + v} {t:.1f}" for v, t in r["active_since_s"].items())
         rejected = ",".join(f"v{v}" for v in r["rejected"]) or "-"
         lines.append(f"{rid[:10]:<10} {r['first_seen_s']:>9.1f} {r['last_seen_s']:>7.1f}  {since:<24} {rejected}{note}")
+    env = result["environment"]
+    lines.append(f"machine    {env['cpus']} CPUs; load average (1 min) {env['load_average_at_start'][0]:.1f} at the start, "
+                 f"{env['load_average'][0]:.1f} at the end")
     lines.append("checks     " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in result["checks"].items()))
     return "\n".join(lines)
