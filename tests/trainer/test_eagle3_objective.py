@@ -67,13 +67,16 @@ def test_supervised_rows_need_an_answer_anchor_and_label():
 def test_teacher_is_the_targets_head_on_the_final_norm_output_restricted_to_the_draft_vocab():
     model, _ = _drafter(draft_vocab=[1, 4, 5, 9])
     y = torch.randn(2, 3, D)
-    p, argmax = teacher(model, y)
+    rows = torch.tensor([[True, True, False], [True, True, True]])
+    p, argmax = teacher(model, y, rows)
     logits = y @ model.lm_head.weight.T  # no norm: last_hidden_states already is the final norm's output
-    assert torch.allclose(p, logits[..., [1, 4, 5, 9]].softmax(-1), atol=1e-6)
-    assert torch.equal(argmax, logits.argmax(-1))  # over the whole vocabulary
+    assert torch.allclose(p[rows], logits[rows][:, [1, 4, 5, 9]].softmax(-1), atol=1e-6)
+    assert torch.equal(argmax[rows], logits[rows].argmax(-1))  # over the whole vocabulary
+    assert (p[0, 2] == 0).all() and argmax[0, 2] == -1  # a row not asked for is not computed
     full, _ = _drafter()
-    p_full, argmax_full = teacher(full, y)
+    p_full, argmax_full = teacher(full, y, torch.ones(2, 3, dtype=torch.bool))
     assert torch.allclose(p_full, (y @ full.lm_head.weight.T).softmax(-1), atol=1e-6)
+    assert torch.equal(argmax_full, p_full.argmax(-1))
 
 
 def test_loss_equals_hand_computation_with_decayed_step_means():

@@ -74,21 +74,26 @@ def supervised_rows(loss_mask: torch.Tensor, ttt_length: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def teacher(drafter: Eagle3Drafter, last_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def teacher(drafter: Eagle3Drafter, last_hidden: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's distribution over the draft vocabulary and its argmax over the whole vocabulary.
 
-    last_hidden [B, T, D] (the final norm's output) -> (p [B, T, V_d] float32, argmax [B, T]
-    target ids). Computed in float32 whatever autocast is on: the teacher is exact."""
+    last_hidden [B, T, D] (the final norm's output), rows [B, T] bool: the positions to compute
+    (the others are left 0 / −1). Returns (p [B, T, V_d] float32, argmax [B, T] target ids), in
+    float32 whatever autocast is on: the teacher is exact."""
+    B, T, D = last_hidden.shape
+    weight, bias = drafter.head()
+    p = torch.zeros(B, T, weight.shape[0], device=last_hidden.device)
+    argmax = torch.full((B, T), -1, dtype=torch.long, device=last_hidden.device)
     with torch.autocast(last_hidden.device.type, enabled=False):
-        y = last_hidden.float()
-        weight, bias = drafter.head()
-        p = F.linear(y, weight.float(), None if bias is None else bias.float()).softmax(-1)
+        y = last_hidden[rows].float()  # [N, D]
+        probs = F.linear(y, weight.float(), None if bias is None else bias.float()).softmax(-1)  # [N, V_d]
+        p[rows] = probs
         if drafter.draft_vocab is None:
-            return p, p.argmax(-1)
-        full, full_bias = drafter.lm_head.weight.float(), drafter.lm_head.bias
-        flat = y.flatten(0, 1)
-        argmax = torch.cat([F.linear(rows, full, full_bias).argmax(-1) for rows in flat.split(TEACHER_CHUNK)])
-        return p, argmax.view(y.shape[:2])
+            argmax[rows] = probs.argmax(-1)
+        elif len(y):
+            full, full_bias = drafter.lm_head.weight.float(), drafter.lm_head.bias
+            argmax[rows] = torch.cat([F.linear(chunk, full, full_bias).argmax(-1) for chunk in y.split(TEACHER_CHUNK)])
+    return p, argmax
 
 
 def soft_ce(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -128,8 +133,11 @@ class Eagle3Strategy:
             raise ValueError("EAGLE-3 trains on the target's last_hidden_states: capture the features with "
                              "capture.algorithm=eagle3")
         drafter = getattr(model, "module", model)  # unwrap DDP
-        p, argmax = teacher(drafter, batch.last_hidden_states)  # [B, T, V_d], [B, T]
         supervised = supervised_rows(batch.loss_mask, self.ttt_length)  # [N, B, T]
+        # the teacher of step i row t sits at t + 1 + i, inside the row's answer run: there
+        # loss_mask holds at that position and the next (a superset of what the steps read)
+        needed = batch.loss_mask & shifted(batch.loss_mask, 1)
+        p, argmax = teacher(drafter, batch.last_hidden_states, needed)  # [B, T, V_d], [B, T]
         logits = model(batch.hidden_states, batch.input_ids, supervised)  # per step [rows_i, V_d]
         weights = step_weights(self.ttt_length, self.ploss_decay)
         loss = logits[0].sum() * 0.0  # keeps every step's graph (and DDP) alive when a step has no rows
