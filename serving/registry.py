@@ -154,10 +154,12 @@ class DrafterRegistry:
 
 
 class RegistryPoller:
-    """Every ``interval_s``, pull the registry's latest version if it is newer than any seen and
-    hand it to ``engine.load_drafter`` (which validates it in the background and switches between
-    steps). A version the registry refuses to pull or the engine rejects is not retried; a registry
-    that cannot be read is retried at the next poll (``last_error`` says why)."""
+    """Every ``interval_s``, hand the newest usable version to ``engine.load_drafter`` (which
+    validates it in the background and switches between steps). The versions published since the
+    last poll are tried newest first: a version the registry refuses to pull or the engine rejects
+    is recorded in ``last_error``, never retried, and the next older one is tried — so a replica
+    that starts after a bad publish serves the newest good version, as the replicas that were
+    already running do. A registry that cannot be read is retried at the next poll."""
 
     def __init__(self, registry: DrafterRegistry, engine, *, cache_dir: str | Path, interval_s: float = 10.0,
                  load_timeout_s: float = 600.0):
@@ -166,31 +168,36 @@ class RegistryPoller:
         self.registry, self.engine = registry, engine
         self.cache_dir = Path(cache_dir)
         self.interval_s, self.load_timeout_s = interval_s, load_timeout_s
-        self.seen: int = 0  # highest version handed to the engine (loaded or rejected)
+        self.seen: int = 0  # highest version considered (loaded, rejected, or passed over for a newer one)
         self.last_error: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def poll(self) -> int | None:
         """One check; blocks until a new version is ready in the engine. Returns the version that
-        was loaded, or None (nothing new, or the engine rejected it)."""
-        latest = self.registry.latest()
-        if latest is None or latest <= self.seen:
+        was loaded, or None (nothing new, or every new version was rejected)."""
+        new = [v for v in self.registry.versions() if v > self.seen]
+        if not new:
             return None
+        self.seen = new[-1]
+        errors = []
+        for version in reversed(new):
+            error = self._try(version)
+            if error is None:
+                self.last_error = "; ".join(errors) or None
+                return version
+            errors.append(f"version {version} rejected: {error}")
+            log.warning("%s", errors[-1])
+        self.last_error = "; ".join(errors)
+        return None
+
+    def _try(self, version: int) -> BaseException | None:
+        """Pull ``version`` and load it into the engine; the error that refused it, or None."""
         try:
-            local = self.registry.pull(latest, self.cache_dir)
+            local = self.registry.pull(version, self.cache_dir)
         except RejectedVersionError as e:
-            self.seen = latest
-            self.last_error = f"version {latest} rejected: {e}"
-            log.warning("%s", self.last_error)
-            return None
-        self.seen = latest
-        error = self.engine.load_drafter(str(local), latest).exception(timeout=self.load_timeout_s)
-        if error is not None:
-            self.last_error = f"version {latest} rejected: {error}"
-            return None
-        self.last_error = None
-        return latest
+            return e
+        return self.engine.load_drafter(str(local), version).exception(timeout=self.load_timeout_s)
 
     def start(self) -> RegistryPoller:
         self._thread = threading.Thread(target=self._run, daemon=True, name="specray-registry-poller")

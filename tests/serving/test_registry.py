@@ -154,6 +154,20 @@ def test_poller_reports_a_rejected_pull_and_keeps_the_old_version(tmp_path):
     assert not (tmp_path / "escaped").exists()
 
 
+def test_a_replica_started_after_a_bad_publish_serves_the_newest_good_version(tmp_path):
+    registry = DrafterRegistry(str(tmp_path / "registry"))
+    registry.publish(_export(tmp_path / "a", b"A"))
+    registry.publish(_export(tmp_path / "b", b"B"))
+    _forge(registry, 3, {"config.json": b"{}"}, {"config.json": 2, "../escaped": 1})
+    engine = _FakeEngine(reject={2})  # v3 is refused by the registry, v2 by the engine
+    poller = RegistryPoller(registry, engine, cache_dir=tmp_path / "cache", interval_s=0.05)
+    assert poller.poll() == 1 and engine.loaded == [2, 1]  # newest first, down to the newest good one
+    assert "version 3 rejected:" in poller.last_error and "version 2 rejected: bad export" in poller.last_error
+    assert poller.poll() is None and engine.loaded == [2, 1]  # none of them is tried again
+    registry.publish(_export(tmp_path / "d", b"D"))
+    assert poller.poll() == 4 and poller.last_error is None
+
+
 def test_publish_refuses_files_that_are_not_export_files(tmp_path):
     registry = DrafterRegistry(str(tmp_path / "registry"))
     export = _export(tmp_path / "a", b"A")
