@@ -169,9 +169,10 @@ def _field_model(section: Any, part: str, section_data: Any) -> Any:
     return section.model_fields[part].annotation
 
 
-def _unknown_key_fix(section: Any, loc: tuple) -> str:
+def _unknown_key_fix(section: Any, loc: tuple, path: Path | None) -> str:
     """The fix for an unknown key at ``loc`` of ``section``: a close match, or the drafter section
-    it belongs to when it is another algorithm's field, and the valid keys."""
+    it belongs to when it is another algorithm's field (and the manifest written for the chosen
+    algorithm beside ``path``, ``<stem>-<algorithm>.yaml``, if there is one), and the valid keys."""
     valid = sorted(section.model_fields) if isinstance(section, type) and issubclass(section, BaseModel) else []
     key = str(loc[-1])
     close = difflib.get_close_matches(key, valid, n=1)
@@ -181,17 +182,20 @@ def _unknown_key_fix(section: Any, loc: tuple) -> str:
         algorithm, where = section.model_fields["algorithm"].default, ".".join(str(p) for p in loc[:-1])
         hint = (f"{key!r} belongs to the {'/'.join(owners)} drafter section, not {algorithm}'s: drop it, or give the "
                 f"whole section, e.g. {where}={{algorithm: {algorithm}}}; ")
+        own = path.with_name(f"{path.stem}-{algorithm}{path.suffix}") if path is not None else None
+        if own is not None and own.is_file():
+            hint += f"or run {own}, written for {algorithm}; "
     return f"{hint}valid keys here are {valid}"
 
 
-def _format_error(model: type[BaseModel], err: dict, data: dict) -> str:
+def _format_error(model: type[BaseModel], err: dict, data: dict, path: Path | None) -> str:
     loc = ".".join(str(p) for p in err["loc"])
     if err["type"] == "extra_forbidden":
         section, node = model, data
         for part in err["loc"][:-1]:
             section = _field_model(section, part, node)
             node = node.get(part) if isinstance(node, dict) else None
-        return f"{loc}: unknown key. Fix: {_unknown_key_fix(section, err['loc'])}"
+        return f"{loc}: unknown key. Fix: {_unknown_key_fix(section, err['loc'], path)}"
     if err["type"] == "missing":
         return f"{loc}: required and missing. Fix: add it to the YAML or pass {loc}=VALUE"
     message = err["msg"].removeprefix("Value error, ")
@@ -215,7 +219,7 @@ def load_config(model: type[BaseModel], path: str | Path | None = None, override
         return model.model_validate(data)
     except ValidationError as e:
         where = f" in {path}" if path else ""
-        lines = [_format_error(model, err, data) for err in e.errors()]
+        lines = [_format_error(model, err, data, Path(path) if path is not None else None) for err in e.errors()]
         raise ConfigError(f"invalid config{where}:\n  " + "\n  ".join(lines)) from None
 
 
