@@ -7,7 +7,8 @@
                                fills in nothing), speculators_config (a greedy proposal of k
                                tokens; the verifier), and the algorithm's fields
     <out>/model.safetensors    the drafter's weights under the peer names; with a draft
-                               vocabulary also d2t, t2d and lm_head.weight
+                               vocabulary also d2t, t2d and lm_head.weight; the target's
+                               embedding and LM head where the peer model reads them from it
     <out>/specray_export.json  our provenance: the source export's config.json (fingerprints,
                                capture contract) and export.json (sha256 of its weights), the
                                target it was checked against, the sha256 of this model.safetensors
@@ -31,11 +32,14 @@ Weights, ours -> peer (speculators 0.9.0 ``DFlashDraftModel`` / ``Eagle3DraftMod
     draft_vocab [V_d] (target ids)            d2t [V_d] int64 offsets (target id = i + d2t[i]),
                                               t2d [V] bool, lm_head.weight [V_d, D] (the target
                                               head's rows); none of the three without one
+    (the target's, shared by reference)       EAGLE-3 only: embed_tokens.weight [V, D], and
+                                              without a draft vocabulary lm_head.weight [V, D]
 
-The target's embedding is never written (vLLM and speculators take the verifier's), nor is its
-full LM head. Layer ids: our capture contract counts decoder-layer *outputs* (``i`` = the
-residual leaving layer ``i``, capture/contract.py); the peer counts layer *inputs*, so the
-same tensor is ``i + 1`` there, listed ascending.
+speculators' ``Eagle3DraftModel`` reads the embedding and the LM head from the checkpoint (one
+missing is left uninitialised), its ``DFlashDraftModel`` reloads them from the verifier; vLLM
+takes the target's when they are absent or equal to it. Layer ids: our capture contract counts
+decoder-layer *outputs* (``i`` = the residual leaving layer ``i``, capture/contract.py); the
+peer counts layer *inputs*, so the same tensor is ``i + 1`` there, listed ascending.
 
 A drafter the peer model cannot express is refused (``PeerFormatError`` naming the field and
 the fix) rather than exported to give other logits: DFlash's learned in-block key bias and its
@@ -76,6 +80,8 @@ class PeerLayout:
     - ``model_type``: ``speculators_model_type`` (vLLM's speculative method);
     - ``peer_architecture``: the speculators model class name (``architectures``);
     - ``layer_ids_field``: the config field of the captured layer ids (the peer's convention);
+    - ``writes_target_head``: the checkpoint holds the target's embedding and, without a draft
+      vocabulary, its whole LM head (the peer model reads them from the checkpoint only);
     - ``renames``: (pattern on our state-dict key, peer key template) in order, first match wins;
       a key no pattern matches is an error (a drafter module the layout does not know);
     - ``layer_config``: the transformers config class of the peer's decoder layers;
@@ -87,6 +93,7 @@ class PeerLayout:
     model_type: str
     peer_architecture: str
     layer_ids_field: str
+    writes_target_head: bool
     renames: tuple[tuple[str, str], ...]
     layer_config: type[PretrainedConfig]
     fields: Callable[[dict], dict]
@@ -126,6 +133,7 @@ def _eagle3_fields(arch: dict) -> dict:
 PEER_LAYOUTS: dict[str, PeerLayout] = {
     "dflash": PeerLayout(
         model_type="dflash", peer_architecture="DFlashSpeculator", layer_ids_field="aux_hidden_state_layer_ids",
+        writes_target_head=False,
         renames=(
             (r"fc\.weight", "fc.weight"),
             (r"context_norm\.weight", "hidden_norm.weight"),
@@ -142,6 +150,7 @@ PEER_LAYOUTS: dict[str, PeerLayout] = {
     ),
     "eagle3": PeerLayout(
         model_type="eagle3", peer_architecture="Eagle3Speculator", layer_ids_field="eagle_aux_hidden_state_layer_ids",
+        writes_target_head=True,
         renames=((r"(fc\.weight|norm\.weight|layers\.\d+\..+)", r"\1"),),
         layer_config=LlamaConfig, fields=_eagle3_fields,
         speculative_tokens=lambda arch: 3,  # speculators' default TTT depth; vLLM's num_speculative_tokens overrides it
@@ -181,13 +190,20 @@ def peer_state(layout: PeerLayout, state: dict[str, torch.Tensor], layer_ids: li
     return out
 
 
-def vocab_tensors(draft_vocab: torch.Tensor | None, lm_head_weight: torch.Tensor) -> dict[str, torch.Tensor]:
-    """With a draft vocabulary [V_d]: d2t [V_d], t2d [V] and the target head's rows lm_head.weight [V_d, D]."""
-    if draft_vocab is None:
-        return {}
-    ids = draft_vocab.long()
-    return {"d2t": d2t_offsets(ids), "t2d": t2d_mask(ids, lm_head_weight.shape[0]),
-            "lm_head.weight": lm_head_weight.detach()[ids].contiguous()}
+def target_tensors(layout: PeerLayout, draft_vocab: torch.Tensor | None, embed_weight: torch.Tensor,
+                   head_weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What the peer needs of the target: with a draft vocabulary [V_d], d2t [V_d], t2d [V] and the
+    head's rows lm_head.weight [V_d, D]; where the layout says so, the embedding [V, D] and
+    (without a draft vocabulary) the whole head [V, D]. Copies: a tied target shares their memory."""
+    out: dict[str, torch.Tensor] = {}
+    if draft_vocab is not None:
+        ids = draft_vocab.long()
+        out.update({"d2t": d2t_offsets(ids), "t2d": t2d_mask(ids, head_weight.shape[0]),
+                    "lm_head.weight": head_weight.detach()[ids].contiguous()})
+    if layout.writes_target_head:
+        out["embed_tokens.weight"] = embed_weight.detach().clone()
+        out.setdefault("lm_head.weight", head_weight.detach().clone())
+    return out
 
 
 def layer_config(layout: PeerLayout, arch: dict, target: Target, dtype: torch.dtype) -> dict:
@@ -281,7 +297,8 @@ def write_peer_export(export_dir: str | Path, out_dir: str | Path, *, target: Ta
         raise PeerFormatError(f"{src} cannot be exported in the speculators format: " + "; ".join(reasons))
     dtype = state["fc.weight"].dtype
     tensors = {**peer_state(layout, state, list(arch["target_layer_ids"])),
-               **vocab_tensors(state.get("draft_vocab"), model.lm_head.weight.to(dtype))}
+               **target_tensors(layout, state.get("draft_vocab"), model.embed_tokens.weight.to(dtype),
+                                model.lm_head.weight.to(dtype))}
     peer = peer_config(layout, arch, target, dtype, num_speculative_tokens, verifier_name_or_path)
     provenance = {"source": str(src.resolve()), "format": f"speculators {SPECULATORS_VERSION}",
                   "target": {"name": target.name, "target_fingerprint": target.target_fingerprint,

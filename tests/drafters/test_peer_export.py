@@ -12,9 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from speculators.models import dflash as speculators_dflash
+from speculators.models.eagle3 import Eagle3DraftModel
 
 from specray.capture.contract import build_contract
-from specray.drafters import dflash
+from specray.drafters import dflash, eagle3
 from specray.drafters.format import InvalidDrafterError, save_drafter
 from specray.drafters.peer import PeerFormatError, ascending_fc, peer_layer_ids, write_peer_export
 from specray.pipeline.cli import main
@@ -47,6 +48,13 @@ def _export(tmp_path, target, model, vocab_size=None):
 def _dflash(target, **overrides):
     cfg = replace(dflash.debug_config(target, LAYER_IDS), **{"block_key_bias": 0.0, **overrides})
     model = dflash.DFlashDrafter(cfg, embed_tokens=target.model.get_input_embeddings(),
+                                 lm_head=target.model.get_output_embeddings())
+    return _randomise(model).eval()
+
+
+def _eagle3(target, **overrides):
+    cfg = eagle3.debug_config(target, LAYER_IDS, **overrides)
+    model = eagle3.Eagle3Drafter(cfg, embed_tokens=target.model.get_input_embeddings(),
                                  lm_head=target.model.get_output_embeddings())
     return _randomise(model).eval()
 
@@ -91,6 +99,38 @@ def test_dflash_speculators_parity(debug_target, tmp_path, monkeypatch, vocab_si
     assert (ours - theirs).abs().max() <= TOLERANCE
 
 
+@pytest.mark.parametrize("vocab_size, norm_before_residual, num_layers", [(40, False, 1), (None, True, 2)],
+                         ids=["draft-vocab", "full-vocab-nbr-2-layers"])
+def test_eagle3_speculators_parity(debug_target, tmp_path, vocab_size, norm_before_residual, num_layers):
+    model = _eagle3(debug_target, draft_vocab_size=vocab_size, norm_before_residual=norm_before_residual,
+                    num_layers=num_layers)
+    out = write_peer_export(_export(tmp_path, debug_target, model, vocab_size), tmp_path / "peer", target=debug_target)
+    config = json.loads((out / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 6]
+    assert config["norm_before_residual"] is norm_before_residual
+    tensors = load_file(out / "model.safetensors")  # the peer reads the target's embedding and head from here
+    assert torch.equal(tensors["embed_tokens.weight"], debug_target.model.get_input_embeddings().weight)
+    assert tensors["lm_head.weight"].shape[0] == (vocab_size or debug_target.vocab_size)
+    peer = _peer_model(Eagle3DraftModel, out)
+
+    S, steps = 12, 3  # three TTT steps: the later ones are fed the drafter's own states
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(1, S, len(LAYER_IDS) * debug_target.hidden_size, generator=g)
+    ids = torch.randint(0, debug_target.vocab_size, (1, S), generator=g)
+    with torch.no_grad():
+        ours = model(hidden, ids, torch.ones(steps, 1, S, dtype=torch.bool))  # per step [S, V_d]
+        theirs = []  # per step [1, S, V_d]: the peer returns draft tokens; its LM head's outputs are the logits
+        hook = peer.lm_head.register_forward_hook(lambda module, args, output: theirs.append(output))
+        # row t of the peer pairs state t with token t (its data is shifted): ours reads x_{t+1} there
+        peer(_ascending_features(hidden), torch.cat([ids[:, 1:], ids.new_zeros(1, 1)], dim=1),
+             torch.zeros(1, S, dtype=torch.long), ttt_steps=steps)
+        hook.remove()
+    assert len(theirs) == steps
+    for step in range(steps):
+        assert ours[step].std() > 0.5
+        assert (ours[step] - theirs[step][0]).abs().max() <= TOLERANCE, step
+
+
 def test_speculators_config_and_provenance(debug_target, tmp_path):
     model = _dflash(debug_target, draft_vocab_size=40)
     export = _export(tmp_path, debug_target, model, 40)
@@ -118,9 +158,7 @@ def test_speculators_config_and_provenance(debug_target, tmp_path):
 
 
 def test_refuses_block_key_bias(debug_target, tmp_path):
-    model = _dflash(debug_target)
-    with torch.no_grad():
-        model.layers[0].attn.block_key_bias.fill_(4.0)
+    model = _dflash(debug_target, block_key_bias=4.0)
     with pytest.raises(PeerFormatError, match=r"drafter\.block_key_bias.*block_key_bias=0"):
         write_peer_export(_export(tmp_path, debug_target, model), tmp_path / "peer", target=debug_target)
     assert not (tmp_path / "peer").exists()
