@@ -81,7 +81,7 @@ class DFlashConfig:
     sliding_window: int | None = None  # context positions visible in "sliding" mode
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    block_key_bias: float = 4.0  # initial value of the learned per-head logit bias on in-block keys
+    block_key_bias: float = 4.0  # initial value of the learned per-head bias on in-block keys (0 = off: none)
     draft_vocab_size: int | None = None  # V_d: draft over the V_d most frequent answer tokens (None = all V)
 
     def __post_init__(self) -> None:
@@ -98,6 +98,8 @@ class DFlashConfig:
             raise ValueError(f"attention must be 'full' or 'sliding', got {self.attention!r}")
         if self.attention == "sliding" and not (self.sliding_window and self.sliding_window > 0):
             raise ValueError("attention='sliding' needs a positive sliding_window (context positions visible)")
+        if self.block_key_bias < 0:
+            raise ValueError(f"block_key_bias must be >= 0 (0 = off), got {self.block_key_bias}")
         if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}] (the target's vocabulary) or None, "
                              f"got {self.draft_vocab_size}")
@@ -142,6 +144,9 @@ class DFlashSection(DrafterSectionBase):
     attention: Literal["full", "sliding"] = Field("full", description="full: bidirectional in block; sliding: causal + window")
     sliding_window: int | None = Field(None, gt=0, description="context positions visible with attention=sliding")
     mask_token_id: int | None = Field(None, ge=0, description="MASK token (None = tokenizer's mask, else unk, else 0)")
+    block_key_bias: float = Field(4.0, ge=0, description="initial value of a learned per-head logit bias on the "
+                                                         "block's own keys (in no peer model: a drafter with it cannot "
+                                                         "be exported as speculators); 0 = off, no such parameter")
 
     @field_validator("block_size")
     @classmethod
@@ -161,7 +166,8 @@ class DFlashSection(DrafterSectionBase):
             head_dim=self.head_dim or sizes["head_dim"],
             intermediate_size=self.intermediate_size or sizes["intermediate_size"],
             block_size=self.block_size, attention=self.attention, sliding_window=self.sliding_window,
-            draft_vocab_size=self.draft_vocab_size, rms_norm_eps=sizes["rms_norm_eps"], rope_theta=sizes["rope_theta"],
+            block_key_bias=self.block_key_bias, draft_vocab_size=self.draft_vocab_size,
+            rms_norm_eps=sizes["rms_norm_eps"], rope_theta=sizes["rope_theta"],
         )
 
 
@@ -188,7 +194,9 @@ class DFlashAttention(nn.Module):
         self.o_proj = Linear(H * hd, D, bias=False)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
-        self.block_key_bias = nn.Parameter(torch.full((H,), float(cfg.block_key_bias)))
+        # Off (0): no parameter at all, so the drafter and its export are what peer models compute.
+        bias = nn.Parameter(torch.full((H,), float(cfg.block_key_bias))) if cfg.block_key_bias else None
+        self.register_parameter("block_key_bias", bias)
 
     def project_kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of ``x`` [Bt, T, D] at ``positions`` [Bt, T] -> ([Bt, Hkv, T, hd], [Bt, Hkv, T, hd])."""
@@ -212,7 +220,8 @@ class DFlashAttention(nn.Module):
         v = torch.cat([ctx_v, v_d], dim=2)
         S = ctx_k.shape[2]
         bias = torch.zeros(self.cfg.num_heads, 1, S + Q, dtype=q.dtype, device=q.device)
-        bias[:, :, S:] = self.block_key_bias.to(q.dtype)[:, None, None]  # in-block keys only
+        if self.block_key_bias is not None:
+            bias[:, :, S:] = self.block_key_bias.to(q.dtype)[:, None, None]  # in-block keys only
         logit_bias = bias[None].masked_fill(~mq[:, None], float("-inf"))  # [Bt, H, Qq, S + Q]
         # Grouped-query attention without copying K/V per query head (head h reads KV head h // g).
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=logit_bias, enable_gqa=True)  # [Bt, H, Qq, hd]

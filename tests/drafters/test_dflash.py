@@ -92,11 +92,27 @@ def test_blocks_are_independent_and_shared_modules_stay_out_of_the_state():
     assert sum(p.numel() for p in model.parameters()) == sum(t.numel() for t in model.state_dict().values())
 
 
+def test_block_key_bias_off_is_no_parameter_and_equals_a_zero_bias():
+    """0 = off: no tensor in the state (hence none in an export), same logits as a bias of zeros."""
+    off, on = _drafter(block_key_bias=0.0), _drafter(block_key_bias=4.0)
+    assert all(layer.attn.block_key_bias is None for layer in off.layers)
+    assert [n for n in on.state_dict() if n not in off.state_dict()] == [
+        "layers.0.attn.block_key_bias", "layers.1.attn.block_key_bias"]
+    inputs = _inputs()
+    with torch.no_grad():
+        assert not torch.allclose(off(*inputs), on(*inputs))
+        for layer in on.layers:
+            layer.attn.block_key_bias.zero_()
+        torch.testing.assert_close(off(*inputs), on(*inputs))
+
+
 def test_bad_configs():
     with pytest.raises(ValueError, match="block_size must be >= 2"):
         _drafter_cfg = DFlashConfig(hidden_size=D, vocab_size=V, target_layer_ids=(1,), mask_token_id=0, block_size=1)
     with pytest.raises(ValueError, match="mask_token_id 99 is outside"):
         DFlashConfig(hidden_size=D, vocab_size=V, target_layer_ids=(1,), mask_token_id=99)
+    with pytest.raises(ValueError, match=r"block_key_bias must be >= 0 \(0 = off\)"):
+        DFlashConfig(hidden_size=D, vocab_size=V, target_layer_ids=(1,), mask_token_id=0, block_key_bias=-1.0)
     with pytest.raises(ValueError, match="sliding_window"):
         DFlashConfig(hidden_size=D, vocab_size=V, target_layer_ids=(1,), mask_token_id=0, attention="sliding")
     with pytest.raises(ValueError, match="unknown DFlash config keys"):
