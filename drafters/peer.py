@@ -1,7 +1,10 @@
 """The peer export format: an export written as a ``speculators`` checkpoint, which vLLM loads.
 
-    specray export runs/x/exports/final --format speculators --out runs/x/exports/final-speculators
-    vllm serve TARGET --speculative-config '{"model": "runs/x/exports/final-speculators"}'
+    specray export runs/x/exports/final --format speculators      # -> runs/x/exports/final-speculators
+    vllm serve runs/x/exports/final-speculators                     # the verifier its config names
+
+(or ``vllm serve TARGET --speculative-config '{"model": DIR, "method": "dflash"}'``: given only
+``model``, vLLM guesses the method from the directory's name and falls back to a plain draft model.)
 
     <out>/config.json          speculators_model_type, a complete transformer_layer_config (vLLM
                                fills in nothing), speculators_config (a greedy proposal of k
@@ -120,8 +123,10 @@ def _dflash_refusals(arch: dict, state: dict[str, torch.Tensor]) -> list[str]:
 
 
 def _dflash_fields(arch: dict) -> dict:
+    # sliding_window_non_causal: speculators reads it for sliding layers only (full attention is
+    # bidirectional in the block there), but vLLM makes every draft layer causal when it is False.
     return {"block_size": arch["block_size"], "mask_token_id": arch["mask_token_id"],
-            "sliding_window_non_causal": False, "sample_from_anchor": False}
+            "sliding_window_non_causal": True, "sample_from_anchor": False}
 
 
 def _eagle3_fields(arch: dict) -> dict:
@@ -145,7 +150,8 @@ PEER_LAYOUTS: dict[str, PeerLayout] = {
             (r"layers\.(\d+)\.attn\.block_key_bias", ""),  # all zero (else refused): nothing to write
         ),
         layer_config=Qwen3Config, fields=_dflash_fields,
-        speculative_tokens=lambda arch: arch["block_size"] - 1,  # the block's draft positions
+        # vLLM's DFlash runs a block of 1 + k rows: only k = B - 1 attends over the rows ours does
+        speculative_tokens=lambda arch: arch["block_size"] - 1,
         refusals=_dflash_refusals,
     ),
     "eagle3": PeerLayout(

@@ -64,7 +64,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         source = export_checkpoint(source)
         print(f"exported   {source}")
     out = write_peer_export(source, args.out or f"{source}-speculators", target=args.target)
-    print(f"exported   {out} (speculators; vLLM: --speculative-config '{{\"model\": \"{out}\"}}')")
+    print(f"exported   {out} (speculators; serve it with `vllm serve {out}`)")
     return 0
 
 

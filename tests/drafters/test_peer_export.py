@@ -139,6 +139,7 @@ def test_speculators_config_and_provenance(debug_target, tmp_path):
     assert config["speculators_model_type"] == "dflash"
     assert config["aux_hidden_state_layer_ids"] == [2, 4, 6]
     assert config["block_size"] == 4 and config["draft_vocab_size"] == 40
+    assert config["sliding_window_non_causal"] is True  # False makes every vLLM DFlash layer causal
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
     layer = config["transformer_layer_config"]
     for key in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
