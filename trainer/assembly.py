@@ -209,7 +209,8 @@ def feature_loader(spec: TrainSpec, manifest: Manifest, store, expected: Capture
                    world_size: int = 1) -> FeatureLoader:
     """This rank's slice of a manifest, checked against the contract the drafter trains on."""
     return FeatureLoader(manifest, store, micro_batch_size=spec.micro_batch_size, seed=spec.seed, rank=rank,
-                         world_size=world_size, expected=expected, max_length=spec.max_length)
+                         world_size=world_size, accumulation_steps=spec.optim.accumulation_steps, expected=expected,
+                         max_length=spec.max_length)
 
 
 def build_trainer(spec: TrainSpec, *, rank: int = 0, world_size: int = 1) -> Trainer:

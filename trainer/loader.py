@@ -17,7 +17,13 @@ Order (identical on every rank, so no communication is needed):
   ``[position + r * mb, position + (r + 1) * mb)``. Example with ``world_size=2, mb=2``:
   ``perm = [7, 3, 9, 0, 5, ...]``, position 0 -> rank 0 reads ``[7, 3]``, rank 1 ``[9, 0]``,
   and the position becomes 4.
-- When fewer than ``world_size * mb`` entries remain in the epoch they are skipped
+- An optimizer step of ``A = accumulation_steps`` micro-batches reads one *window* of
+  ``Q = A * world_size * mb`` entries (DESIGN.md §4's quantum), rank-major: micro-batch ``i``
+  of rank ``r`` is the window's ``(r * A + i)``-th slice of ``mb`` entries (the core keys its
+  random draws by the same ``r * A + i``), so 1 rank × A accumulation steps and A ranks × 1
+  read the same samples, each with the same draws, in every step. With ``A = 1`` this is the
+  global micro-step above.
+- When fewer than ``Q`` entries remain in the epoch at the start of a window they are skipped
   (drop_last) and the next epoch starts at position 0. The state is kept in this normal
   form: ``state_dict()`` never reports a position from which no full step fits.
 - ``position`` counts *global* entries, so a state saved under one world size loads under
@@ -123,11 +129,13 @@ class FeatureLoader:
 
     def __init__(
         self, manifest: Manifest, store: FeatureStore, *, micro_batch_size: int, seed: int,
-        rank: int = 0, world_size: int = 1, expected: CaptureContract | None = None,
+        rank: int = 0, world_size: int = 1, accumulation_steps: int = 1, expected: CaptureContract | None = None,
         max_length: int | None = None, prefetch: int = 2,
     ):
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if not 0 <= rank < world_size:
@@ -139,12 +147,12 @@ class FeatureLoader:
         if expected is not None:  # before the size check: features of another contract are the deeper problem
             expected.check_compatible(manifest.contract, what="manifest features")
         check_refs(manifest)
-        step = world_size * micro_batch_size
-        if len(manifest.refs) < step:
+        window = accumulation_steps * world_size * micro_batch_size
+        if len(manifest.refs) < window:
             raise ValueError(
-                f"the manifest has {len(manifest.refs)} samples, fewer than one global micro-step of "
-                f"world_size * micro_batch_size = {world_size} * {micro_batch_size} = {step}; "
-                "capture more samples or lower micro_batch_size"
+                f"the manifest has {len(manifest.refs)} samples, fewer than one global micro-step per accumulation "
+                f"step: accumulation_steps * world_size * micro_batch_size = {accumulation_steps} * {world_size} * "
+                f"{micro_batch_size} = {window}; capture more samples or lower micro_batch_size"
             )
         self.manifest = manifest
         self.store = store
@@ -152,10 +160,12 @@ class FeatureLoader:
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
+        self.accumulation_steps = accumulation_steps
         self.max_length = max_length
         self.prefetch = prefetch
         self.num_samples = len(manifest.refs)
         self._epoch, self._position = 0, 0
+        self._origin = (0, 0)  # (epoch, position) the run started reading at: windows start there + k * Q
         self._perms: dict[int, torch.Tensor] = {}
         self._pending: deque[tuple[tuple[int, int], Future]] = deque()  # ((epoch, position), future)
         self._pool = ThreadPoolExecutor(max_workers=prefetch, thread_name_prefix="specray-loader") if prefetch else None
@@ -175,9 +185,20 @@ class FeatureLoader:
     def global_step_size(self) -> int:
         return self.world_size * self.micro_batch_size
 
+    @property
+    def window(self) -> int:
+        """Q: the entries one optimizer step reads over every rank and accumulation step."""
+        return self.accumulation_steps * self.global_step_size
+
+    def _window_start(self, epoch: int, position: int) -> int:
+        """Where the window holding ``position`` starts (windows start at the epoch's origin + k * Q)."""
+        origin = self._origin[1] if epoch == self._origin[0] else 0
+        return position - (position - origin) % self.window
+
     def _normalise(self, epoch: int, position: int) -> tuple[int, int]:
-        """drop_last: a position from which no full global step fits moves to the next epoch."""
-        if self.num_samples - position < self.global_step_size:
+        """drop_last: a window start from which no full window fits moves to the next epoch (inside a
+        window every micro-step fits: its window did)."""
+        if position == self._window_start(epoch, position) and self.num_samples - position < self.window:
             return epoch + 1, 0
         return epoch, position
 
@@ -190,7 +211,9 @@ class FeatureLoader:
         if epoch not in self._perms:
             self._perms = {e: p for e, p in self._perms.items() if e >= epoch - 1}  # keep at most two epochs
             self._perms[epoch] = epoch_permutation(self.num_samples, self.seed, epoch)
-        start = position + self.rank * self.micro_batch_size
+        window = self._window_start(epoch, position)
+        micro = (position - window) // self.global_step_size  # i: this micro-step's index in its window
+        start = window + (self.rank * self.accumulation_steps + micro) * self.micro_batch_size
         indices = self._perms[epoch][start : start + self.micro_batch_size].tolist()
         return [self.manifest.refs[i] for i in indices]
 
@@ -255,6 +278,7 @@ class FeatureLoader:
         if epoch < 0 or not 0 <= position <= self.num_samples:
             raise ValueError(f"loader state has epoch {epoch}, position {position}; need epoch >= 0 and 0 <= position <= {self.num_samples}")
         self._discard_prefetch()
+        self._origin = (epoch, position)  # a checkpoint is taken between optimizer steps: a window starts here
         self._epoch, self._position = self._normalise(epoch, position)
 
     def _discard_prefetch(self) -> None:

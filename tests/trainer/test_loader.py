@@ -199,6 +199,26 @@ def test_resume_across_a_world_size_change(dflash):
         loader.close()
 
 
+def test_accumulation_steps_read_what_as_many_ranks_read(dflash):
+    """An optimizer step reads one window of A * world_size * mb entries, rank-major: 1 rank x 4
+    accumulation steps, 2 x 2 and 4 ranks x 1 read the same samples at the same global micro-batch
+    index r * A + i in every step, across epochs (11 entries: each epoch drops 3)."""
+    def steps(world_size, accumulation_steps, count=6):
+        loaders = [_loader(dflash, micro_batch_size=1, seed=2, rank=r, world_size=world_size,
+                           accumulation_steps=accumulation_steps, prefetch=r) for r in range(world_size)]
+        # per step, in global micro-batch order r * A + i
+        reads = [_ids([loader.next_batch() for loader in loaders for _ in range(accumulation_steps)])
+                 for _ in range(count)]
+        for loader in loaders:
+            loader.close()
+        return reads
+
+    expected = [_perm_ids(dflash, 2, epoch)[start:start + 4] for epoch in range(3) for start in (0, 4)]
+    assert steps(1, 4) == steps(2, 2) == steps(4, 1) == expected
+    with pytest.raises(ValueError, match="accumulation_steps must be >= 1"):
+        _loader(dflash, accumulation_steps=0)
+
+
 @pytest.mark.parametrize("k", [0, 1, 4, 6])
 def test_prefetch_does_not_change_state(dflash, k):
     with _loader(dflash, prefetch=0) as plain, _loader(dflash, prefetch=4) as ahead:
