@@ -13,10 +13,10 @@ builders, generation config checks). This runner is built for that regime (numbe
 - so a lone row (batch-1 decode) runs as two identical rows: the full-model product chain
   then takes ~25 ms on two threads (~37 ms on one) instead of ~45 ms as mat-vecs. Only the first
   row is written to the cache and returned. Every forward uses torch's intra-op threads, so AR
-  decoding and a speculative verify of the same rows cost the same. (Until session 4 a lone row
-  ran on one thread, for robustness on an oversubscribed machine, where each of its ~150
-  parallel regions can wait a scheduler slice for the second thread; that made our AR 1.5x
-  slower than the 2-row verify on a quiet machine and flattered speculation. On a machine
+  decoding and a speculative verify of the same rows cost the same. (A lone row on one thread, tried
+  for robustness on an oversubscribed machine where each of its ~150 parallel regions can wait a
+  scheduler slice for the second thread, made our AR 1.5x slower than the 2-row verify on a quiet
+  machine and flattered speculation. On a machine
   shared with other busy processes, give the engine fewer threads instead: ``specray serve``'s
   ``engine.num_threads``, or ``torch.set_num_threads``);
 - the residual add turns each ``[out, M]`` product back into row-major activations; RoPE rotates
