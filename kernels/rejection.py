@@ -84,29 +84,30 @@ def rejection_sample_reference(
     accepting = torch.ones(R, dtype=torch.bool, device=device)
     k = torch.zeros(R, dtype=torch.int64, device=device)  # accepted drafts so far
     sampled = draft_probs is not None
+    row_argmax = target.argmax(-1) if bool(greedy.any()) else None  # [num_rows]: all a greedy request reads
     for j in range(int(n.max()) if R else 0):
         live = accepting & (j < n)
         at = torch.where(live, first_draft + j, 0)  # [R] draft index (0 for requests past their drafts)
-        p = target[torch.where(live, first_row + j, 0)]  # [R, V]
+        row = torch.where(live, first_row + j, 0)  # [R] the row that verifies it
         d = torch.where(live, draft_token_ids[at], 0)
-        ok = d == p.argmax(-1)
+        ok = torch.zeros(R, dtype=torch.bool, device=device) if row_argmax is None else d == row_argmax[row]
         if sampled:
-            p_d, q_d = p.gather(1, d[:, None])[:, 0], draft_probs[at, d]
-            ok = torch.where(greedy, ok, uniforms[at] * q_d < p_d)
+            ok = torch.where(greedy, ok, uniforms[at] * draft_probs[at, d] < target[row, d])
         accepting = live & ok
         output[(first_row + j)[accepting]] = d[accepting]
         k += accepting.long()
 
-    p = target[first_row + k]  # [R, V]: the rejected row, or the bonus row n
-    token = p.argmax(-1)
+    last = first_row + k  # [R]: the rejected row, or the bonus row n
+    token = torch.zeros(R, dtype=torch.int64, device=device) if row_argmax is None else row_argmax[last]
     if sampled:
+        p = target[last]  # [R, V]
         w = p
         if len(draft_token_ids):
             q = draft_probs[(first_draft + k).clamp(max=len(draft_token_ids) - 1)]  # [R, V], read on rejection
             w = torch.where((k < n)[:, None], (p - q).clamp_min(0.0), p)
         w = torch.where(w.amax(-1, keepdim=True) > 0, w, p)  # residual lost to rounding -> p
         token = torch.where(greedy, token, (w / exponentials).argmax(-1))
-    output[first_row + k] = token
+    output[last] = token
     return output, k + 1
 
 

@@ -92,14 +92,17 @@ def check_finite(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
     Raises ``NonFiniteLogitsError`` for NaN or +inf in ``logits`` or a row of only −inf (a −inf
     alone is a token ruled out), or for probabilities that are not finite (an overflow)."""
-    if bool(torch.isnan(logits).any() or torch.isposinf(logits).any() or torch.isneginf(logits).all(-1).any()):
+    # One pass in the common case: a finite sum means every entry is finite. Otherwise look closer
+    # (the sum may be -inf from ruled-out tokens alone, or overflow).
+    if not bool(torch.isfinite(logits.sum())) and bool(
+            torch.isnan(logits).any() or torch.isposinf(logits).any() or torch.isneginf(logits).all(-1).any()):
         raise NonFiniteLogitsError("the target's logits for this request are not finite (NaN, +inf, or -inf for "
                                    "every token); no token was drawn from them and the request is failed (check "
                                    "the model's weights and dtype)")
     if params.greedy:
         return logits
     probs = process(logits, params)
-    if not bool(torch.isfinite(probs).all()):
+    if not bool(torch.isfinite(probs.sum())):
         raise NonFiniteLogitsError(f"the target's probabilities for this request are not finite after temperature "
                                    f"{params.temperature}, top_k {params.top_k}, top_p {params.top_p} "
                                    f"(logits / temperature overflowed); the request is failed")

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from specray.serving.engine import Engine
+from specray.serving.requests import encode_prompt
 from specray.serving.sampling import SamplingParams
 from specray.serving.workers import StepOutput, Worker
 
@@ -292,7 +293,7 @@ def test_the_engine_reads_only_the_worker_protocol(debug_target, random_drafter,
 def test_round_stats_count_only_tokens_before_a_stop(debug_target, random_drafter):
     """Every round accepts all 3 drafts (4 tokens); a stop inside a round counts that round as if it
     had ended there: tau and acceptance by position never count cut tokens."""
-    full = _hf_greedy_raw(debug_target, Engine(debug_target).encode(PROMPTS[1]), 12)
+    full = _hf_greedy_raw(debug_target, encode_prompt(debug_target.tokenizer, PROMPTS[1]), 12)
     assert full[2] not in full[:2]
 
     def run(params):
