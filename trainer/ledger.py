@@ -56,7 +56,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Iterable
 
-from specray.capture.store import TMP_MARK, BlobStore, FeatureStore, SampleRef, TensorMeta, is_temp_of, open_fs
+from specray.capture.store import (TMP_MARK, BlobStore, FeatureChecksumError, FeatureNotFoundError, FeatureStore,
+                                   SampleRef, TensorMeta, is_temp_of, open_fs)
 
 TXN_FILE = re.compile(r"^txn-(\d{10})\.json$")
 TXN_FIELDS = {
@@ -375,15 +376,25 @@ class RecoveryPlan:
     lost: list[SampleRef]  # dispatched samples outside the history whose features are gone
 
 
+def _intact(store: BlobStore, ref: SampleRef) -> bool:
+    """Whether ``ref``'s blob is in ``store`` and matches its size and checksum."""
+    try:
+        store.get(ref)
+    except (FeatureNotFoundError, FeatureChecksumError):
+        return False
+    return True
+
+
 def recovery_plan(state: LedgerState, parent: tuple[int, int] | None, *, store: BlobStore | None = None,
                   recapture: bool = False) -> RecoveryPlan:
     """Resume from checkpoint ``parent`` (None = from scratch): history, re-dispatch, deletions.
 
     A sample is re-dispatched iff it was dispatched and is not in the history. One whose
     features are gone — deleted (a window trained under a later checkpoint than ``parent``),
-    or its key missing in ``store`` when one is given — is reported in ``lost``; it is also
-    re-dispatched, in its place, when ``recapture`` says a producer will capture it again
-    (``actors/broker.py``), and left out otherwise.
+    or, when ``store`` is given, missing or corrupt there (each blob is read and checked against
+    its SampleRef's checksum: a resume reads at most the samples in flight) — is reported in
+    ``lost``; it is also re-dispatched, in its place, when ``recapture`` says a producer will
+    capture it again (``actors/broker.py``), and left out otherwise.
     """
     lineage = state.lineage(*parent) if parent else []
     history = frozenset(sid for t in lineage for sid in t["sample_ids"])
@@ -400,7 +411,7 @@ def recovery_plan(state: LedgerState, parent: tuple[int, int] | None, *, store: 
         for ref in refs:
             if ref.sample_id in history or ref.sample_id in redispatch or ref.sample_id in lost:
                 continue
-            if ref.key in deleted_keys or (store is not None and not store.exists(ref.key)):
+            if ref.key in deleted_keys or (store is not None and not _intact(store, ref)):
                 lost[ref.sample_id] = ref
                 if not recapture:
                     continue

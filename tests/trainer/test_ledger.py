@@ -4,6 +4,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from specray.capture.store import FeatureStore, SampleRef, TensorMeta
 from specray.trainer.ledger import Ledger, LedgerError, audit, recovery_plan
@@ -111,12 +112,30 @@ def test_recovery_plan_redispatches_everything_outside_the_history_in_order(tmp_
     scratch = recovery_plan(state, None, recapture=True)
     assert [r.sample_id for r in scratch.redispatch] == list("abcdefgh") and [r.sample_id for r in scratch.lost] == ["a", "b"]
 
-    store = FeatureStore(str(tmp_path / "store"))
-    store.put_bytes(_ref("h").key, b"features of h")
-    plan = recovery_plan(state, (1, 3), store=store)
-    assert [r.sample_id for r in plan.redispatch] == ["h"] and [r.sample_id for r in plan.lost] == ["g"]  # g's blob is gone
     ledger.deleted(["x3"], [r.key for r in _refs("e", "f")])
     assert [r.sample_id for r in recovery_plan(ledger.replay(), (0, 2)).lost] == ["e", "f"]  # deleted under the later checkpoint (1, 3)
+
+
+def test_recovery_plan_counts_a_missing_or_corrupt_blob_as_lost(tmp_path):
+    """With a store, each blob outside the history is read and checked: a corrupt one is as good as gone."""
+    store = FeatureStore(str(tmp_path / "store"))
+    refs = {i: store.put(f"features/{i}.safetensors", {"input_ids": torch.arange(4)}, sample_id=i, num_tokens=4,
+                         contract="c0ffee") for i in "abcdef"}
+    ledger = Ledger(str(tmp_path / "ledger"))
+    ledger.attempt(0, parent=None, world_size=1, quantum=2, checkpoint=None, run="r")
+    ledger.dispatched(0, 1, "w1", [refs["a"], refs["b"]])
+    ledger.trained(0, 1, "w1", ["a", "b"])
+    ledger.checkpointed(0, 1, "ck-0-1")
+    ledger.dispatched(0, 2, "w2", [refs[i] for i in "cdef"])
+    store.delete(refs["d"].key)  # gone
+    path = tmp_path / "store" / refs["e"].key
+    path.write_bytes(path.read_bytes()[:-1] + b"?")  # corrupt: same size, another checksum
+    state = ledger.replay()
+
+    plan = recovery_plan(state, (0, 1), store=store)
+    assert [r.sample_id for r in plan.lost] == ["d", "e"] and [r.sample_id for r in plan.redispatch] == ["c", "f"]
+    plan = recovery_plan(state, (0, 1), store=store, recapture=True)  # captured again, in their place
+    assert [r.sample_id for r in plan.lost] == ["d", "e"] and [r.sample_id for r in plan.redispatch] == list("cdef")
 
 
 def test_audit_passes_exactly_once_and_catches_duplicates_missing_and_leftovers(tmp_path):
