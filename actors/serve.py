@@ -11,7 +11,7 @@ Each replica (``SpecrayReplica``) loads the target, owns an ``Engine`` stepped b
 ``EngineLoop`` thread and, with a registry, a ``RegistryPoller`` thread that pulls each newer
 drafter version and hot-loads it between engine steps (serving/engine.py, serving/registry.py).
 Its HTTP app is serving/openai_api.py's, built in the replica (a FastAPI ingress) behind its
-request guard (API key or loopback clients only, body and prompt limits: ``HttpLimits``), so Ray
+request guard (API key or loopback clients only, body and prompt limits: ``http.limits``), so Ray
 adds only what Ray is for: the proxy on ``http.host:http.port`` (127.0.0.1 by default; any other
 host is refused without an API key), Serve's autoscaler between ``min_replicas`` and
 ``max_replicas`` aiming at ``target_ongoing_requests`` per replica, and replacement of a
@@ -63,7 +63,7 @@ class ReplicaSpec:
     api_key: str | None
     num_speculative_tokens: int | None = None
     max_speculative_batch: int | None = None
-    limits: HttpLimits = field(default_factory=HttpLimits)
+    limits: HttpLimits = field(default_factory=HttpLimits)  # the config's http.limits
 
 
 def _absolute_uri(uri: str) -> str:
@@ -73,7 +73,7 @@ def _absolute_uri(uri: str) -> str:
     return Path(uri.removeprefix("file://")).resolve().as_uri()
 
 
-def replica_spec(cfg: ServeJobConfig, api_key: str | None, limits: HttpLimits | None = None) -> ReplicaSpec:
+def replica_spec(cfg: ServeJobConfig, api_key: str | None) -> ReplicaSpec:
     return ReplicaSpec(
         target=str(Path(cfg.target.name).resolve()) if Path(cfg.target.name).is_dir() else cfg.target.name,
         dtype=cfg.target.dtype, device=cfg.target.device, model_name=cfg.served_model_name,
@@ -84,7 +84,7 @@ def replica_spec(cfg: ServeJobConfig, api_key: str | None, limits: HttpLimits | 
         cache_dir=str(Path(cfg.registry.cache_dir or cfg.run_dir / "drafter-cache").resolve()),
         num_threads=cfg.engine.num_threads, api_key=api_key,
         num_speculative_tokens=cfg.engine.num_speculative_tokens,
-        max_speculative_batch=cfg.engine.max_speculative_batch, limits=limits or HttpLimits(),
+        max_speculative_batch=cfg.engine.max_speculative_batch, limits=cfg.http.limits,
     )
 
 
@@ -162,9 +162,10 @@ def _wait_ready(url: str, timeout_s: float) -> None:
         time.sleep(0.5)
 
 
-def application(cfg: ServeJobConfig, api_key: str | None, limits: HttpLimits | None = None):
+def application(cfg: ServeJobConfig, api_key: str | None):
     """The bound Serve application (replicas + autoscaling) that ``serve.run`` or a Serve config deploys.
-    Without ``api_key`` its replicas answer loopback clients only, wherever Serve's proxy binds."""
+    Without ``api_key`` its replicas answer loopback clients only, wherever Serve's proxy binds; every
+    request is bounded by ``cfg.http.limits``."""
     a = cfg.autoscaling
     return SpecrayReplica.options(
         name="SpecrayReplica",
@@ -173,10 +174,10 @@ def application(cfg: ServeJobConfig, api_key: str | None, limits: HttpLimits | N
                             "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": a.downscale_delay_s},
         max_ongoing_requests=cfg.replica.max_ongoing_requests,
         ray_actor_options={"num_cpus": cfg.replica.num_cpus},
-    ).bind(replica_spec(cfg, api_key, limits))
+    ).bind(replica_spec(cfg, api_key))
 
 
-def start_serving(cfg: ServeJobConfig, *, timeout_s: float = 600.0, limits: HttpLimits | None = None) -> ServeHandle:
+def start_serving(cfg: ServeJobConfig, *, timeout_s: float = 600.0) -> ServeHandle:
     """Deploy the replicas described by ``cfg`` and return once ``/health`` answers over HTTP."""
     api_key = cfg.http.api_key or os.environ.get("SPECRAY_API_KEY") or None
     if not is_loopback(cfg.http.host) and not api_key:
@@ -184,7 +185,7 @@ def start_serving(cfg: ServeJobConfig, *, timeout_s: float = 600.0, limits: Http
             f"http.host={cfg.http.host!r} makes the server reachable from other machines; set http.api_key "
             "(or $SPECRAY_API_KEY) so requests need 'Authorization: Bearer <key>', or serve on http.host=127.0.0.1"
         )
-    app = application(cfg, api_key, limits)
+    app = application(cfg, api_key)
     connect(cfg.ray.address, cfg.ray.num_cpus)
     serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
     serve.run(app, name=cfg.name, route_prefix="/")

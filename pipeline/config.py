@@ -20,6 +20,7 @@ from specray.capture.contract import CONTRACT_SPECS, STORAGE_DTYPES
 from specray.capture.data import DATASETS
 from specray.capture.target import DEFAULT_TARGET
 from specray.drafters import DEFAULT_ALGORITHM, DRAFTERS, get_drafter
+from specray.serving.http_guard import HttpLimits
 from specray.trainer.assembly import TrainSpec, check_capture_fits
 from specray.trainer.core import OptimSettings
 from specray.trainer.strategies import get_strategy
@@ -438,6 +439,11 @@ class HttpSection(Section):
     port: int = Field(8000, ge=1, le=65535, description="HTTP port of the proxy")
     api_key: str | None = Field(
         None, description="require 'Authorization: Bearer KEY' (None = $SPECRAY_API_KEY if set, else no key)",
+    )
+    limits: HttpLimits = Field(
+        default_factory=HttpLimits, description="per-request bounds checked before any tokenizing: max_body_bytes "
+                                                "(larger bodies are a 413), max_prompt_bytes, docs (/docs, /redoc, "
+                                                "/openapi.json served without a key)",
     )
 
 

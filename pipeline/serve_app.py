@@ -8,7 +8,7 @@
         args:
           config: manifests/serve.yaml          # a specray serve manifest (optional)
           overrides: ["registry.uri=s3://bucket/registry"]
-          limits: {max_body_bytes: 1048576}     # HttpLimits (serving/http_guard.py), optional
+          limits: {max_body_bytes: 1048576}     # HttpLimits (serving/http_guard.py) over the manifest's http.limits, optional
 
     serve run serve_config.yaml
 
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 def build_app(args: dict):
     """``args``: ``config`` (a serve manifest path, optional), ``overrides`` (``section.field=value``
-    list) and ``limits`` (``HttpLimits`` fields, optional)."""
+    list) and ``limits`` (``HttpLimits`` fields over the manifest's ``http.limits``, optional)."""
     from specray.actors.serve import application
 
     unknown = set(args) - {"config", "overrides", "limits"}
@@ -41,12 +41,13 @@ def build_app(args: dict):
         raise ValueError(f"unknown application args {sorted(unknown)}; use 'config' (a serve manifest), "
                          "'overrides' and 'limits'")
     cfg = load_config(ServeJobConfig, args.get("config"), list(args.get("overrides", [])))
-    try:
-        limits = HttpLimits.model_validate(args.get("limits") or {})
+    try:  # the arg's fields over the manifest's http.limits
+        limits = HttpLimits.model_validate({**cfg.http.limits.model_dump(), **(args.get("limits") or {})})
     except ValidationError as e:
         problems = "; ".join(f"limits.{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
         raise ValueError(f"application arg {problems} (HttpLimits fields: {', '.join(HttpLimits.model_fields)})") from None
+    cfg = cfg.model_copy(update={"http": cfg.http.model_copy(update={"limits": limits})})
     api_key = cfg.http.api_key or os.environ.get("SPECRAY_API_KEY") or None
     if api_key is None:
         log.warning("no API key (http.api_key or $SPECRAY_API_KEY): the replicas answer loopback clients only")
-    return application(cfg, api_key, limits)
+    return application(cfg, api_key)
