@@ -17,8 +17,13 @@ Stages (each timed into ``report.json``'s ``stage_seconds``):
               answer smoke requests through the OpenAI API
     bench     the exported drafter vs our AR on held-out prompts: tau, tokens/s, speedup
 
-Everything lands in the run dir (default ``runs/<name>/``); ``report.json`` holds ``tau``,
-``speedup_vs_ar``, ``stage_seconds`` and ``drafter_dir`` among the rest. A pipeline owns its
+Everything the driver alone reads lands in the run dir (default ``runs/<name>/``);
+``report.json`` holds ``tau``, ``speedup_vs_ar``, ``stage_seconds`` and ``drafter_dir`` among the
+rest. What another node or a later driver reads lives on the run's storage, so a cluster of
+several machines (the KubeRay RayJob, with ``store.uri``, ``train.storage`` and
+``serve.registry`` on ``s3://``) finishes: the training manifest next to its features
+(``<store.uri>/manifests/<name>.parquet``), checkpoints and the ledger in ``train.storage``
+(export fetches the final checkpoint from there), drafter versions in the registry. A pipeline owns its
 run dir: a rerun of the same name replaces it (a directory it did not make is refused). What a
 rerun cannot replace is refused too: when ``train.storage`` or ``online.ledger`` lie outside
 the run dir (as in the KubeRay RayJob) and already hold this run's ledger transactions or
@@ -30,8 +35,8 @@ Resuming: a crashed trainer worker is restarted by Ray Train from the last check
 ``specray pipeline run --resume MANIFEST``, which keeps the run dir (or starts an empty one
 when the run's state lives in ``train.storage`` only, e.g. a RayJob on a new pod):
 
-- offline: a complete capture (its manifest exists; it is written last) is reused, and the
-  trainer gang resumes from its newest checkpoint (same storage and name, actors/trainer.py);
+- offline: a complete capture (its manifest in the store exists; it is written last) is reused,
+  and the trainer gang resumes from its newest checkpoint (same storage and name, actors/trainer.py);
 - online: the gang resumes from its newest checkpoint and re-dispatches every sample the
   ledger says was dispatched outside that checkpoint's history (their features are read, or
   captured again when gone); the producer captures only samples the ledger has never seen.
@@ -219,22 +224,32 @@ def _inside(uri: str, run_dir: Path) -> bool:
     return Path(uri.removeprefix("file://")).resolve().is_relative_to(run_dir.resolve())
 
 
+def manifest_uri(cfg: PipelineConfig) -> str:
+    """Where the offline training manifest lives: next to its features in the store, so that every
+    node reads it (trainer workers on other machines, a resumed driver on a new pod)."""
+    return f"{cfg.store_uri.rstrip('/')}/manifests/{cfg.name}.parquet"
+
+
 def _capture(cfg: PipelineConfig, report: PipelineReport, progress: bool, *, reuse: bool = False) -> str:
-    from specray.capture.store import read_manifest
+    from specray.capture.store import open_fs, read_manifest, write_manifest
     from specray.pipeline.capture_job import run_capture_on_ray
 
-    manifest = cfg.run_dir / "capture" / "manifest.parquet"
-    if reuse and manifest.exists():  # written last: its existence means the capture completed
-        refs = read_manifest(str(manifest)).refs
-        report.capture = {"samples": len(refs), "tokens": sum(r.num_tokens for r in refs), "manifest": str(manifest),
+    shared, endpoint = manifest_uri(cfg), cfg.store.endpoint_url
+    fs, path, _ = open_fs(shared, endpoint_url=endpoint)
+    if reuse and fs.exists(path):  # written last: its existence means the capture completed
+        refs = read_manifest(shared, endpoint_url=endpoint).refs
+        report.capture = {"samples": len(refs), "tokens": sum(r.num_tokens for r in refs), "manifest": shared,
                           "store": cfg.store_uri, "reused": True}
-        return str(manifest)
+        return shared
     summary = run_capture_on_ray(cfg.capture_job(), num_actors=cfg.capture.num_actors,
                                  num_cpus_per_actor=cfg.capture.num_cpus_per_actor, progress=progress)
+    local = read_manifest(summary.manifest)  # the capture job's, on this machine's disk
+    write_manifest(shared, local.refs, contract=local.contract, store_uri=local.store_uri, metadata=local.metadata,
+                   overwrite=True, endpoint_url=endpoint)
     report.capture = {"samples": summary.samples, "tokens": summary.tokens, "tokens_per_s": round(summary.tokens_per_s, 1),
-                      "bytes_per_token": round(summary.bytes_per_token, 1), "manifest": summary.manifest,
+                      "bytes_per_token": round(summary.bytes_per_token, 1), "manifest": shared,
                       "store": summary.store_uri, "actors": cfg.capture.num_actors}
-    return summary.manifest
+    return shared
 
 
 def _train_offline(cfg: PipelineConfig, manifest: str, report: PipelineReport, progress: bool) -> str:

@@ -7,17 +7,23 @@ files into one through the same ``drafter_from_state`` and ``export_drafter``.
 A checkpoint's ``extra`` holds what the export needs besides weights: the algorithm, the
 drafter config, the capture contract and the run's provenance. No target weights are needed:
 the shared embedding and LM head are stood in for by meta-device modules of the same shape.
+A checkpoint on ``s3://`` (the gang's storage on a cluster) is fetched to a temporary
+directory first (fsspec; endpoint from ``endpoint_url`` or ``$SPECRAY_S3_ENDPOINT``).
 """
 
 from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch import nn
 
+from specray.capture.store import open_fs
 from specray.drafters import get_drafter
 from specray.drafters.format import save_drafter
 from specray.trainer.checkpoint import latest_checkpoint, load_checkpoint
@@ -57,17 +63,41 @@ def resolve_checkpoint(checkpoint: str | Path) -> Path:
     return path
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path | None = None) -> Path:
-    """Export ``checkpoint`` (a step dir, or a run's checkpoints dir = its latest step)."""
-    path = resolve_checkpoint(checkpoint)
-    ckpt = load_checkpoint(path)
+def _is_remote(checkpoint: str | Path) -> bool:
+    return "://" in str(checkpoint) and not str(checkpoint).startswith("file://")
+
+
+@contextmanager
+def local_checkpoint(checkpoint: str | Path, *, endpoint_url: str | None = None) -> Iterator[Path]:
+    """``checkpoint`` as a local path: a path or ``file://`` URI as is, an ``s3://`` one fetched to a temp dir."""
+    if not _is_remote(checkpoint):
+        yield Path(str(checkpoint).removeprefix("file://"))
+        return
+    fs, root, _ = open_fs(str(checkpoint), endpoint_url=endpoint_url)
+    root = root.rstrip("/")
+    if not fs.isdir(root):
+        raise FileNotFoundError(f"no checkpoint at {checkpoint}: give a checkpoint directory the trainer wrote")
+    with tempfile.TemporaryDirectory(prefix="specray-checkpoint-") as tmp:
+        fs.get(f"{root}/", f"{tmp}/", recursive=True)
+        yield Path(tmp)
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path | None = None, *,
+                      endpoint_url: str | None = None) -> Path:
+    """Export ``checkpoint`` (a step dir, or a run's checkpoints dir = its latest step; a path or an s3:// URI)."""
+    with local_checkpoint(checkpoint, endpoint_url=endpoint_url) as local:
+        path = resolve_checkpoint(local)
+        ckpt = load_checkpoint(path)
     extra = ckpt.extra
     for key in ("algorithm", "drafter_config", "contract", "provenance"):
         if key not in extra:
-            raise ValueError(f"{path} is not a specray training checkpoint (no {key!r} in its state)")
+            raise ValueError(f"{checkpoint} is not a specray training checkpoint (no {key!r} in its state)")
     model = drafter_from_state(extra["algorithm"], extra["drafter_config"], ckpt.model)
-    if out_dir is None:
+    if out_dir is None:  # under the training run's dir (a fetched copy's parent is a temp dir)
+        if _is_remote(checkpoint) and "run_dir" not in extra["provenance"]:
+            raise ValueError(f"{checkpoint} records no run_dir to export under; give out_dir")
         out_dir = Path(extra["provenance"].get("run_dir", path.parent.parent)) / "exports" / f"step-{ckpt.step:08d}"
-    provenance = dict(extra["provenance"], step=ckpt.step, tokens_seen=extra.get("tokens_seen"),
-                      checkpoint=str(path.resolve()), last_metrics=extra.get("last_metrics"))
+    source = str(checkpoint) if _is_remote(checkpoint) else str(path.resolve())
+    provenance = dict(extra["provenance"], step=ckpt.step, tokens_seen=extra.get("tokens_seen"), checkpoint=source,
+                      last_metrics=extra.get("last_metrics"))
     return export_drafter(model, out_dir, contract=extra["contract"], provenance=provenance)
