@@ -199,7 +199,7 @@ def bench_train(cfg, *, warmup: int = 5) -> dict:
         "drafter": cfg.drafter.model_dump(),
         "micro_batch_size": cfg.optim.micro_batch_size,
         "accumulation_steps": cfg.optim.accumulation_steps,
-        "num_anchors": cfg.objective.num_anchors,
+        "objective": cfg.objective.model_dump(),
         "steps_timed": len(timed),
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
         "step_seconds": sum(split.values()),
@@ -215,8 +215,9 @@ def train_table(result: dict) -> str:
     lines = [f"{'part':<10} {'s/step':>8} {'share':>7}"]
     lines += [f"{k:<10} {v:>8.3f} {v / total:>6.0%}" for k, v in split.items()]
     lines.append(f"{'step':<10} {total:>8.3f}")
+    objective = " ".join(f"{k}={v}" for k, v in result["objective"].items())
     lines.append(f"tokens/s {result['tokens_per_s']:.0f} (median of {result['steps_timed']} steps; "
-                 f"micro-batch {result['micro_batch_size']} x {result['num_anchors']} anchors)")
+                 f"{result['algorithm']}, micro-batch {result['micro_batch_size']}, {objective})")
     return "\n".join(lines)
 
 

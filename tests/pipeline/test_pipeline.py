@@ -185,6 +185,41 @@ def test_online_pipeline_resumes_after_its_driver_is_killed(ray_cluster, tmp_pat
     assert online["peak_inflight_samples"] <= 6
 
 
+def test_offline_pipeline_resumes_after_its_driver_is_killed(ray_cluster, tmp_path):
+    """SIGKILL the driver after the gang's first checkpoint; ``--resume`` reuses the capture and trains to the end."""
+    from specray.pipeline.pipeline_job import manifest_uri, run_pipeline
+    from specray.trainer.ledger import Ledger
+
+    run_dir = tmp_path / "offline"
+    overrides = [*TINY, "train.optim.total_steps=12", "train.drafter.draft_vocab_size=128", "serve.enabled=false",
+                 "bench.enabled=false", f"output.run_dir={run_dir}"]
+    cfg = load_config(PipelineConfig, "manifests/quickstart.yaml", overrides)
+    driver = subprocess.Popen(["specray", "pipeline", "run", "-q", "manifests/quickstart.yaml", *overrides,
+                               f"ray.address={ray_cluster.address}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    ledger_dir = run_dir / "ray-train" / cfg.train_job(None).name / "ledger"  # made by the driver, read here
+    deadline = time.monotonic() + 300
+    try:
+        while not (ledger_dir.exists() and Ledger(str(ledger_dir)).replay().checkpoints):
+            assert driver.poll() is None, driver.stdout.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint within 300 s"
+            time.sleep(0.05)
+        driver.send_signal(signal.SIGKILL)
+    finally:
+        driver.kill()
+        driver.wait(timeout=60)
+    assert not (run_dir / "report.json").exists(), "the driver finished before it was killed: nothing was tested"
+    killed_at = max(c["step"] for c in Ledger(str(ledger_dir)).replay().checkpoints)
+    assert killed_at < 12
+
+    report, _ = run_pipeline(cfg, progress=False, resume=True)
+    assert report.capture["reused"] and report.capture["manifest"] == manifest_uri(cfg)
+    assert report.train["steps"] == 12  # the same final step count as an uninterrupted run
+    attempts = Ledger(str(ledger_dir)).replay().attempts
+    assert len(attempts) == report.train["attempts"] >= 2  # the killed driver's gang and the resumed one
+    assert attempts[max(attempts)]["parent"]["step"] >= killed_at
+    assert (run_dir / "exports" / "final" / "model.safetensors").exists()
+
+
 def test_online_bound_below_a_checkpoint_interval_is_a_config_error():
     with pytest.raises(ConfigError, match=r"online.max_inflight_samples=3 cannot hold one checkpoint interval.*>= 4"):
         load_config(PipelineConfig, "manifests/online.yaml", ["online.max_inflight_samples=3",
