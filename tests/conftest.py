@@ -15,7 +15,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["PATH"] = f"{os.path.dirname(os.path.abspath(sys.executable))}{os.pathsep}{os.environ['PATH']}"
 
 import shutil
-import socket
 import subprocess
 import time
 import uuid
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from ports import free_port
 from specray.capture.target import DEFAULT_TARGET, load_target
 
 
@@ -35,12 +35,6 @@ def debug_target():
 @pytest.fixture(scope="session")
 def smollm2():
     return load_target(DEFAULT_TARGET)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

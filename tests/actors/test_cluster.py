@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+from ports import free_port
 
 pytestmark = pytest.mark.ray
 

@@ -11,7 +11,7 @@ import urllib.request
 import openai
 import pytest
 import torch
-from conftest import free_port
+from ports import free_port
 
 from specray.capture.contract import build_contract
 from specray.drafters.dflash import DFlashConfig, DFlashDrafter

@@ -7,7 +7,7 @@ import time
 
 import openai
 import pytest
-from conftest import free_port
+from ports import free_port
 
 from specray.pipeline.config import ServeJobConfig, load_config
 

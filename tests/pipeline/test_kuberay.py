@@ -39,7 +39,7 @@ def test_rayjob_entrypoint_is_a_valid_pipeline_run():
 def test_the_rayjob_entrypoint_finishes_with_everything_on_s3(ray_cluster, seaweedfs, tmp_path):
     """The RayJob's entrypoint and runtime env with its s3:// prefix on SeaweedFS and a debug-sized override,
     run as KubeRay runs it: a driver process on the cluster (``RAY_ADDRESS``)."""
-    from conftest import free_port
+    from ports import free_port
     from test_pipeline import TINY
 
     from specray.capture.store import open_fs

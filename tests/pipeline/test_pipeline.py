@@ -28,7 +28,7 @@ TINY = [
 
 
 def test_ray_job_submit_quickstart_with_tiny_override(ray_cluster, tmp_path):
-    from conftest import free_port
+    from ports import free_port
 
     run_dir = tmp_path / "quickstart"
     entrypoint = " ".join(["specray", "pipeline", "run", "-q", "manifests/quickstart.yaml", *TINY,

@@ -1,0 +1,9 @@
+"""Loopback ports for test servers (importable by name; ``conftest`` is not, the name is shared)."""
+
+import socket
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
