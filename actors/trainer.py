@@ -32,20 +32,32 @@ of ``ray.train.get_checkpoint()`` and the ledger's ``checkpointed`` txns of this
 registers a reported checkpoint asynchronously, so a group that dies right after ``report``
 can leave Ray pointing at the previous one while the ledger already names the newer one. A
 run with neither starts from ``resume_from``, else from the ledger's last checkpoint (the
-stream's model), else from scratch. Rank 0 then appends ``attempt``, finishes deletions a
-crash interrupted, and rewinds the broker: every dispatched sample outside the checkpoint's
-history goes back to the front of the queue and is re-split for this attempt's ``Q`` (the
-world size may differ). So a crash mid-window, between an optimizer step and its checkpoint,
-or during deletion leaves every sample trained exactly once in the final model's lineage.
+stream's model), else from scratch. Before anything is written, every rank checks that the
+chosen directory holds what its name claims: the ledger position saved in it (ledger uri,
+attempt, step) and its step must be the resume point's, or the gang stops with
+``CheckpointMismatchError`` (``actors/gang_recovery.py``). Rank 0 then appends ``attempt``,
+finishes deletions a crash interrupted, and rewinds the broker: every dispatched sample outside
+the checkpoint's history goes back to the front of the queue and is re-split for this attempt's
+``Q`` (the world size may differ). So a crash mid-window, between an optimizer step and its
+checkpoint, between the checkpoint's report and its ``checkpointed`` txn, or during deletion
+leaves every sample trained exactly once in the final model's lineage.
 
 **Lost features.** A dispatched feature can be gone: a ``ray://`` blob dies with the capture
 actor that owned it, and resuming from an older checkpoint than the newest re-dispatches
-samples whose blobs a later checkpoint already deleted. When the producer can capture again
+samples whose blobs a later checkpoint already deleted. A corrupt blob (its bytes do not match
+the checksum of its SampleRef) is as good as gone. When the producer can capture again
 (``broker.enable_recapture()``, as the online pipeline's does), such samples are re-dispatched
 in their place; a rank that cannot read one reports it (``report_lost``) and waits up to
 ``RECAPTURE_TIMEOUT_S`` until it is captured again, bit for bit (same batch, same key, same
-checksum), then trains the window as dispatched. Without such a producer it raises
+checksum), then trains the window as dispatched. Without such a producer the gang stops with
 ``FeaturesLostError``: training on around a hole would break exactly-once.
+
+**Terminal errors.** A failed stream (``StreamFailedError``: the producer called
+``broker.fail``), features that cannot come back (``FeaturesLostError``) and a checkpoint that
+is not what it claims (``CheckpointMismatchError``) would fail again after any restart. The
+ranks exchange such an error before the next collective (so none waits in DDP's all-reduce for
+one that stopped), every rank returns at the same step without a checkpoint, and
+``run_trainer_gang`` raises it in the driver with its message, without a Ray Train restart.
 
 **Offline** (``spec.manifest``, no broker). Each rank reads its slice with
 ``FeatureLoader`` for as many epochs as ``optim.total_steps`` needs; its order is a pure
@@ -57,22 +69,22 @@ This is simpler and as robust as pushing manifest refs through the broker.
 Storage: a local directory or ``s3://`` (endpoint from ``$SPECRAY_S3_ENDPOINT``, like the
 feature store); the ledger defaults to ``<storage>/<name>/ledger``.
 
-``FaultPlan`` injects the crash points the tests kill at (``os._exit`` in the worker, armed
-once through a marker file so the restarted group does not crash again).
+``FaultPlan`` (``actors/gang_faults.py``) injects the crash points the tests kill at
+(``os._exit`` in the worker, armed once through a marker file so the restarted group does not
+crash again).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import shutil
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 from urllib.parse import urlparse
 
 import pyarrow.fs
@@ -83,73 +95,47 @@ import torch.distributed as dist
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-from specray.actors.broker import Window
+from specray.actors.broker import StreamFailedError, Window
+from specray.actors.gang_faults import FaultPlan, MidWindowCrash
+from specray.actors.gang_recovery import (AttemptPlanner, CheckpointMismatchError, FeaturesLostError, Resume,
+                                          check_position, checkpoint_name)
 from specray.capture.contract import CaptureContract
-from specray.capture.store import FeatureNotFoundError, SampleRef, open_store, read_manifest
+from specray.capture.store import FeatureChecksumError, FeatureNotFoundError, SampleRef, open_store, read_manifest
 from specray.trainer.assembly import (TrainSpec, build_rank, check_capture_fits, check_manifest_fits,
                                       count_draft_vocab, feature_loader)
-from specray.trainer.ledger import Ledger, LedgerState, recovery_plan
+from specray.trainer.ledger import Ledger
 from specray.trainer.loader import TrainBatch, collate
 from specray.trainer.loop import TrainRun
 
-FAULT_POINTS = ("mid_window", "after_step_before_checkpoint", "during_delete")
-CRASH_EXIT_CODE = 87
 FIT_GRACE_S = 90.0  # after timeout_s: time for the workers to notice the deadline and the group to stop
 RECAPTURE_TIMEOUT_S = 600.0  # a rank waits this long for lost features to be captured again
-_CHECKPOINT_NAME = re.compile(r"checkpoint-a(\d+)-s(\d+)/?$")
+TERMINAL_ERRORS = (StreamFailedError, FeaturesLostError, CheckpointMismatchError)  # a restart cannot help
 
 
 class GangFailedError(RuntimeError):
     """The gang failed more often than ``max_failures``; its checkpoints and ledger are intact."""
 
 
-class FeaturesLostError(RuntimeError):
-    """Samples the resumed model has not trained on have no features any more."""
+class _GangEnded(Exception):
+    """A terminal error (``TERMINAL_ERRORS``) every rank learned of: the gang returns, Ray Train does not restart it."""
+
+    def __init__(self, error: str, message: str):
+        super().__init__(f"{error}: {message}")
+        self.error, self.message = error, message
 
 
-@dataclass(frozen=True)
-class FaultPlan:
-    """Crash rank ``rank`` once at ``point`` of optimizer step ``step`` (1-based), for tests.
-
-    - ``mid_window``: after ``after`` of the rank's micro-batches of step ``step`` ran forward
-      and backward (``0 <= after < accumulation_steps``), before the optimizer step;
-    - ``after_step_before_checkpoint``: right after the ``trained`` txn of step ``step``;
-    - ``during_delete``: at the checkpoint of step ``step``, after ``after`` feature keys were
-      deleted and before the ``deleted`` txn (rank 0: only rank 0 deletes).
-
-    The crash is ``os._exit``; it happens only while ``marker`` does not exist and creates it
-    first, so the group Ray Train restarts runs through.
-    """
-
-    point: str
-    step: int
-    marker: str
-    rank: int = 0
-    after: int = 1
-
-    def __post_init__(self):
-        if self.point not in FAULT_POINTS:
-            raise ValueError(f"unknown fault point {self.point!r}; use one of {list(FAULT_POINTS)}")
-        if self.step < 1 or self.rank < 0 or self.after < 0:
-            raise ValueError(f"fault step must be >= 1 and rank, after >= 0; got {self}")
-        if self.point == "during_delete" and self.rank != 0:
-            raise ValueError("during_delete crashes rank 0 (the only rank that deletes features); use rank=0")
-
-    def maybe_crash(self, point: str, step: int, rank: int) -> None:
-        if (point, step, rank) != (self.point, self.step, self.rank) or os.path.exists(self.marker):
-            return
-        with open(self.marker, "w") as f:
-            f.write(f"{point} step {step} rank {rank} pid {os.getpid()}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os._exit(CRASH_EXIT_CODE)
+def _terminal(error: BaseException) -> tuple[str, str]:
+    """(class name, message) of a terminal error; a Ray task error's message is its cause's, without the traceback."""
+    cause = error.cause if isinstance(error, ray.exceptions.RayTaskError) else error
+    kind = next(cls for cls in TERMINAL_ERRORS if isinstance(error, cls))
+    return kind.__name__, str(cause)
 
 
 @dataclass(frozen=True)
 class GangResult:
     step: int  # optimizer steps in the final model
-    # The final Ray Train checkpoint: a directory holding a trainer/checkpoint.py step dir, which
-    # export_checkpoint takes as is; on s3:// storage, fetch it first (ray.train.Checkpoint.to_directory).
+    # The final Ray Train checkpoint: a directory (a path, or an s3:// URI on s3:// storage) holding a
+    # trainer/checkpoint.py step dir, which export_checkpoint takes as is.
     checkpoint: str
     metrics: list[dict]  # metric records of the final model's history (loss, lr, acc_by_pos, tau_tf, ...)
     attempts: list[dict]  # this run's ledger attempt txns: one per worker-group start
@@ -170,33 +156,6 @@ def split_window(refs: Sequence[SampleRef], num_slots: int) -> list[list[SampleR
     """
     n = len(refs)
     return [list(refs[s * n // num_slots:(s + 1) * n // num_slots]) for s in range(num_slots)]
-
-
-def checkpoint_name(attempt: int, step: int) -> str:
-    return f"checkpoint-a{attempt:03d}-s{step:08d}"
-
-
-def parse_checkpoint_name(location: str) -> tuple[int, int]:
-    match = _CHECKPOINT_NAME.search(location)
-    if match is None:
-        raise ValueError(f"{location} is not a trainer-gang checkpoint (checkpoint-aAAA-sSSSSSSSS); "
-                         "resume from a checkpoint run_trainer_gang wrote")
-    return int(match.group(1)), int(match.group(2))
-
-
-class _MidWindowCrash:
-    """The strategy, crashing before micro-batch ``fault.after`` of ``fault.step`` on ``fault.rank``."""
-
-    def __init__(self, strategy, fault: FaultPlan, rank: int, accumulation: int):
-        self._strategy, self._fault, self._rank, self._accumulation = strategy, fault, rank, accumulation
-
-    def __getattr__(self, name):
-        return getattr(self._strategy, name)
-
-    def generator(self, step: int, micro_index: int) -> torch.Generator:
-        if micro_index == self._rank * self._accumulation + self._fault.after:
-            self._fault.maybe_crash("mid_window", step + 1, self._rank)
-        return self._strategy.generator(step, micro_index)
 
 
 class _GangRank:
@@ -225,11 +184,14 @@ class _GangRank:
             parts.expected.check_compatible(contract, what="the stream's features")
         self.core = parts.core
         if self.fault is not None and self.fault.point == "mid_window":
-            self.core.strategy = _MidWindowCrash(self.core.strategy, self.fault, rank, self.accumulation)
+            self.core.strategy = MidWindowCrash(self.core.strategy, self.fault, rank, self.accumulation)
         self.run_state = TrainRun(self.core, log_every=train.log_every, extra=parts.extra)
         self.loader = None if self.online else feature_loader(train, manifest, self.store, parts.expected,
                                                                rank=rank, world_size=world_size)
         self.ledger = Ledger(spec["ledger_uri"]) if rank == 0 else None
+        self.planner = None if rank != 0 else AttemptPlanner(
+            self.ledger, run_uri=spec["run_uri"], resume_from=spec["resume_from"], broker=spec.get("broker"),
+            store=self.store if self.online else None, store_uri=spec.get("store_uri"))
         self.attempt = -1
         self.trained_windows: list[Window] = []  # rank 0: trained since the last checkpoint, features not yet deleted
         self.last_checkpoint: int | None = None
@@ -255,6 +217,30 @@ class _GangRank:
         dist.all_gather_object(out, obj)
         return out
 
+    def _agreed(self, work: Callable):
+        """``work()`` on every rank; when any rank hits a terminal error, every rank raises it (``_GangEnded``)."""
+        try:
+            result, error = work(), None
+        except TERMINAL_ERRORS as e:
+            result, error = None, _terminal(e)
+        ended = [e for e in self._gather(error) if e is not None]
+        if ended:
+            raise _GangEnded(*ended[0])
+        return result
+
+    def _decided(self, work: Callable):
+        """Rank 0 runs ``work()``; every rank gets its result, or raises its terminal error (``_GangEnded``)."""
+        outcome = None
+        if self.rank == 0:
+            try:
+                outcome = ("done", work())
+            except TERMINAL_ERRORS as e:
+                outcome = ("ended", _terminal(e))
+        kind, value = self._broadcast(outcome)
+        if kind == "ended":
+            raise _GangEnded(*value)
+        return value
+
     def _fault(self, point: str, count: int | None = None) -> None:
         if self.fault is not None and (count is None or count == self.fault.after):
             self.fault.maybe_crash(point, self.step, self.rank)
@@ -271,87 +257,49 @@ class _GangRank:
     # -- attempt start ---------------------------------------------------------------------
 
     def start_attempt(self) -> None:
+        """Choose the resume point (rank 0), load and check it (every rank), then record the attempt (rank 0)."""
         self._remaining()
         ray_checkpoint = ray.train.get_checkpoint()
-        decision = self._plan_attempt(ray_checkpoint) if self.rank == 0 else None
-        decision = self._broadcast(decision)
-        self.attempt = decision["attempt"]
+        resume: Resume = self._decided(lambda: self.planner.choose(ray_checkpoint))
+        if resume.location is not None:
+            self._agreed(lambda: self._load(resume))
+        self.attempt = self._decided(lambda: self.planner.write(resume, world_size=self.world_size,
+                                                                quantum=self.quantum))
         self.run_state.record_fields = {"attempt": self.attempt}
-        if decision["location"] is not None:
-            self._load(decision["location"])
 
-    def _resume_point(self, state: LedgerState, ray_checkpoint) -> tuple[tuple[int, int] | None, str | None]:
-        run = self.spec["run_uri"]
-        candidates = [(c["attempt"], c["step"], c["location"]) for c in state.checkpoints
-                      if state.attempts.get(c["attempt"], {}).get("run") == run]
-        if ray_checkpoint is not None:
-            location = f"{run}/{Path(ray_checkpoint.path).name}"
-            candidates.append((*parse_checkpoint_name(location), location))
-        if not candidates and self.spec["resume_from"]:
-            candidates.append((*parse_checkpoint_name(self.spec["resume_from"]), self.spec["resume_from"]))
-        if not candidates and state.last_checkpoint() is not None:
-            last = state.last_checkpoint()
-            candidates.append((last["attempt"], last["step"], last["location"]))
-        if not candidates:
-            return None, None
-        attempt, step, location = max(candidates, key=lambda c: (c[0], c[1]))
-        return (attempt, step), location
-
-    def _plan_attempt(self, ray_checkpoint) -> dict:
-        state = self.ledger.replay()
-        parent, location = self._resume_point(state, ray_checkpoint)
-        plan = None
-        if self.online:
-            recapture = ray.get(self.spec["broker"].describe.remote(), timeout=60)["recapture"]
-            plan = recovery_plan(state, parent, store=self.store, recapture=recapture)
-            if plan.lost and not recapture:
-                raise FeaturesLostError(
-                    f"resuming from checkpoint {parent}: {len(plan.lost)} dispatched samples outside its history have "
-                    f"no features any more (e.g. {[r.sample_id for r in plan.lost[:3]]}): deleted under a later "
-                    "checkpoint, or gone with the store, and no producer of this stream can capture them again. "
-                    "Resume from the ledger's latest checkpoint, or run the stream's producer with re-capture"
-                )
-        if parent is not None and state.find_checkpoint(*parent) is None:
-            self.ledger.checkpointed(*parent, location)  # Ray registered it; the group died before the ledger said so
-        attempt = state.next_attempt
-        self.ledger.attempt(attempt, parent=parent, world_size=self.world_size, quantum=self.quantum,
-                            checkpoint=location, run=self.spec["run_uri"])
-        if plan is not None:
-            if plan.delete_keys:
-                for key in plan.delete_keys:
-                    self.store.delete(key)
-                self.ledger.deleted(plan.delete_windows, plan.delete_keys)
-            ray.get(self.spec["broker"].rewind.remote(
-                attempt, quantum=self.quantum, world_size=self.world_size, step=parent[1] if parent else 0,
-                redispatch=plan.redispatch, history=sorted(plan.history),
-            ), timeout=120)
-        return {"attempt": attempt, "location": location}
-
-    def _load(self, location: str) -> None:
-        filesystem = storage_filesystem(location)
-        checkpoint = ray.train.Checkpoint(_ray_path(location, filesystem), filesystem=filesystem)
+    def _load(self, resume: Resume) -> None:
+        filesystem = storage_filesystem(resume.location)
+        checkpoint = ray.train.Checkpoint(_ray_path(resume.location, filesystem), filesystem=filesystem)
         with checkpoint.as_directory() as directory:
+            check_position(directory, resume)
             loader_state = self.run_state.load(directory)
         if self.loader is not None:
             self.loader.load_state_dict(loader_state)
-        self.last_checkpoint, self.location = self.step, location
+        self.last_checkpoint, self.location = self.step, resume.location
 
     # -- training --------------------------------------------------------------------------
 
     def run(self) -> dict | None:
-        self.start_attempt()
-        if self.online:
-            self._train_online()
-        else:
-            self._train_offline()
+        try:
+            self.start_attempt()
+            if self.online:
+                self._train_online()
+            else:
+                self._train_offline()
+        except _GangEnded as ended:  # every rank, at the same point: no checkpoint, no restart
+            self._close()
+            return {"ended": ended.error, "message": ended.message} if self.rank == 0 else None
         if self.last_checkpoint != self.step:
             self._checkpoint()
-        if self.loader is not None:
-            self.loader.close()
+        self._close()
         if self.rank != 0:
             return None
         return {"step": self.step, "checkpoint": self.location, "metrics": self.run_state.records,
                 "attempt": self.attempt}
+
+    def _close(self) -> None:
+        if self.loader is not None:
+            self.loader.close()
 
     def _train_offline(self) -> None:
         while self.step < self.train.optim.total_steps:
@@ -364,19 +312,11 @@ class _GangRank:
                 self._checkpoint()
 
     def _train_online(self) -> None:
-        broker = self.spec["broker"]
         while self.step < self.train.optim.total_steps:
-            timeout = self._remaining()
-            request = broker.next_window.remote(self.attempt, self.step + 1, timeout=timeout)
-            window: Window | None = ray.get(request, timeout=None if timeout is None else timeout + 30)
+            start = time.perf_counter()
+            window, batches = self._agreed(self._next_window)
             if window is None:
                 break  # end of stream: every rank gets None for the same step
-            if self.rank == 0:
-                self.ledger.dispatched(self.attempt, window.step, window.window_id, window.refs)
-            slots = split_window(window.refs, self.world_size * self.accumulation)
-            mine = slots[self.rank * self.accumulation:(self.rank + 1) * self.accumulation]
-            start = time.perf_counter()
-            batches = [self._batch(slot, window) for slot in mine]
             self.run_state.train_step(batches, data_wait=time.perf_counter() - start)
             acks = self._gather([sid for b in batches for sid in b.sample_ids])
             if self.rank == 0:
@@ -384,6 +324,19 @@ class _GangRank:
             self._fault("after_step_before_checkpoint")
             if self.step % self.train.checkpoint_every == 0:
                 self._checkpoint()
+
+    def _next_window(self) -> tuple[Window | None, list[TrainBatch]]:
+        """The next step's window (every rank gets the same) and this rank's micro-batches of it."""
+        timeout = self._remaining()
+        request = self.spec["broker"].next_window.remote(self.attempt, self.step + 1, timeout=timeout)
+        window: Window | None = ray.get(request, timeout=None if timeout is None else timeout + 30)
+        if window is None:
+            return None, []
+        if self.rank == 0:
+            self.ledger.dispatched(self.attempt, window.step, window.window_id, window.refs)
+        slots = split_window(window.refs, self.world_size * self.accumulation)
+        mine = slots[self.rank * self.accumulation:(self.rank + 1) * self.accumulation]
+        return window, [self._batch(slot, window) for slot in mine]
 
     def _batch(self, slot: list[SampleRef], window: Window) -> TrainBatch:
         max_length = self.train.max_length
@@ -393,32 +346,46 @@ class _GangRank:
         return dataclasses.replace(filler, loss_mask=torch.zeros_like(filler.loss_mask), num_tokens=0)
 
     def _read(self, refs: list[SampleRef]) -> list[dict[str, torch.Tensor]]:
-        """The features of ``refs``; lost ones are captured again when the producer can (module docstring)."""
+        """The features of ``refs``; lost or corrupt ones are captured again when the producer can (module docstring)."""
         features: dict[str, dict[str, torch.Tensor]] = {}
         todo = list(refs)
         for _ in range(3):  # a re-captured blob can be lost again only if its new owner dies too
-            lost = []
+            gone, corrupt = [], []
             for ref in todo:
                 try:
                     features[ref.sample_id] = self.store.get(ref)
                 except FeatureNotFoundError:
-                    lost.append(ref)
-            if not lost:
+                    gone.append(ref)
+                except FeatureChecksumError:
+                    corrupt.append(ref)
+            todo = gone + corrupt
+            if not todo:
                 return [features[r.sample_id] for r in refs]
-            broker = self.spec["broker"]
-            ids = [r.sample_id for r in lost]
-            if not ray.get(broker.report_lost.remote(lost), timeout=60):
-                raise FeaturesLostError(
-                    f"step {self.step + 1}: the features of {len(lost)} dispatched samples are gone (e.g. {ids[:3]}) "
-                    f"from {self.spec['store_uri']}, and no producer of this stream can capture them again"
-                )
-            timeout = min(RECAPTURE_TIMEOUT_S, self._remaining() or RECAPTURE_TIMEOUT_S)
-            if not ray.get(broker.wait_recaptured.remote(ids, timeout=timeout), timeout=timeout + 60):
-                raise FeaturesLostError(f"step {self.step + 1}: samples {ids[:3]} were not captured again within "
-                                        f"{timeout:.0f} s; is the producer running?")
-            todo = lost
+            self._wait_recaptured(gone, corrupt)
         raise FeaturesLostError(f"step {self.step + 1}: samples {[r.sample_id for r in todo][:3]} were lost again "
                                 "after 3 re-captures")
+
+    def _wait_recaptured(self, gone: list[SampleRef], corrupt: list[SampleRef]) -> None:
+        """Ask the producer to capture these samples again and wait until it did (``FeaturesLostError`` if it cannot)."""
+        broker = self.spec["broker"]
+        ids = [r.sample_id for r in gone + corrupt]
+        if not ray.get(broker.report_lost.remote(gone + corrupt), timeout=60):
+            what = []
+            if gone:
+                what.append(f"the features of {len(gone)} dispatched samples are gone (e.g. "
+                            f"{[r.sample_id for r in gone[:3]]})")
+            if corrupt:
+                what.append(f"the feature blobs of {len(corrupt)} dispatched samples are corrupt: their bytes do not "
+                            f"match the checksum of their SampleRef (e.g. {[r.key for r in corrupt[:3]]})")
+            raise FeaturesLostError(
+                f"step {self.step + 1}: {'; '.join(what)} in {self.spec['store_uri']}, and no producer of this stream "
+                "can capture them again. Run the stream's producer with re-capture (as the online pipeline does), "
+                "or restore the blobs and resume"
+            )
+        timeout = min(RECAPTURE_TIMEOUT_S, self._remaining() or RECAPTURE_TIMEOUT_S)
+        if not ray.get(broker.wait_recaptured.remote(ids, timeout=timeout), timeout=timeout + 60):
+            raise FeaturesLostError(f"step {self.step + 1}: samples {ids[:3]} were not captured again within "
+                                    f"{timeout:.0f} s; is the producer running?")
 
     def _ack(self, window: Window, acked: list[str]) -> None:
         expected = [r.sample_id for r in window.refs]
@@ -446,9 +413,11 @@ class _GangRank:
         finally:
             if directory is not None:
                 shutil.rmtree(directory, ignore_errors=True)
+        self._fault("after_report")
         self.last_checkpoint, self.location = self.step, location
         if self.rank == 0:
             self.ledger.checkpointed(self.attempt, self.step, location)
+            self._fault("after_checkpointed")
             if self.online:
                 self._delete_trained()
 
@@ -552,9 +521,11 @@ def run_trainer_gang(
     name resumes it (from its newest checkpoint, with any ``num_workers``). ``ledger_uri``
     defaults to ``<storage_path>/<spec.name>/ledger``; an online stream's ledger must stay
     the same across runs that continue one model. ``max_failures`` worker-group restarts are
-    allowed before ``GangFailedError``. Each worker reserves ``cpus_per_worker`` logical CPUs,
-    and Ray sizes its torch thread pool to match. Features captured for another algorithm
-    than ``spec.drafter``'s are refused before the gang starts.
+    allowed before ``GangFailedError``; a terminal error (a failed stream, features that cannot
+    come back, a checkpoint that is not what its name says) is raised as is, without a restart.
+    Each worker reserves ``cpus_per_worker`` logical CPUs, and Ray sizes its torch thread pool
+    to match. Features captured for another algorithm than ``spec.drafter``'s are refused before
+    the gang starts.
     """
     if num_workers < 1:
         raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -601,5 +572,7 @@ def run_trainer_gang(
             f"and the ledger {ledger_uri} are intact: rerun with the same storage_path and name to resume"
         ) from e
     out = result.return_value
+    if "ended" in out:  # a terminal error every rank agreed on (module docstring)
+        raise {cls.__name__: cls for cls in TERMINAL_ERRORS}[out["ended"]](out["message"])
     attempts = [a for a in Ledger(ledger_uri).replay().attempts.values() if a["run"] == run_uri]
     return GangResult(out["step"], out["checkpoint"], out["metrics"], attempts, ledger_uri, run_uri)

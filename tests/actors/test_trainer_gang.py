@@ -1,37 +1,29 @@
-"""The trainer gang on Ray Train: the crash matrix of DESIGN.md §4, a world-size change, offline export.
+"""The trainer gang on Ray Train: the crash matrix of DESIGN.md §4, a world-size change, offline export,
+and the errors that end it without a restart (a failed stream, a corrupt feature nobody re-captures).
 
-Online runs stream 18 debug-target samples (captured in this process by a producer thread
-through the broker, with backpressure) into a 2-rank gang with micro_batch 1 and 2
-accumulation steps: Q = 4, windows 4/4/4/4/2, a checkpoint every 2 steps, and at most
-Q × checkpoint_every = 8 features stored at once. Each crash test kills a worker once
-(``FaultPlan``), lets Ray Train restart the group, and then audits the ledger: every sample
-trained exactly once in the final model's lineage, none missing, no feature left in the store.
+Online runs use ``gang_support.Stream`` (18 samples, Q = 4, windows 4/4/4/4/2, a checkpoint
+every 2 steps, at most 8 features stored). Each crash test kills a worker once (``FaultPlan``),
+lets Ray Train restart the group, and then audits the ledger: every sample trained exactly
+once in the final model's lineage, none missing, no feature left in the store.
 """
 
 import json
-import threading
 
 import pytest
 import torch
 
-from specray.actors.broker import start_sample_broker
-from specray.actors.trainer import FaultPlan, GangFailedError, run_trainer_gang, split_window
+from specray.actors.broker import StreamFailedError, start_sample_broker
+from specray.actors.trainer import FaultPlan, FeaturesLostError, GangFailedError, run_trainer_gang, split_window
 from specray.capture.contract import ContractMismatchError, build_contract
-from specray.capture.data import RenderedSample
-from specray.capture.server import CaptureServer
-from specray.capture.store import FeatureStore, write_manifest
+from specray.capture.store import FeatureStore, read_manifest
 from specray.drafters.format import load_drafter
-from specray.pipeline.config import TrainJobConfig, load_config
-from specray.trainer.assembly import TrainSpec
 from specray.trainer.checkpoint import load_checkpoint
 from specray.trainer.export import export_checkpoint
-from specray.trainer.ledger import Ledger, audit
+from specray.trainer.ledger import Ledger
+
+from gang_support import TIMEOUT_S, Stream, contract_of, offline_manifest, train_spec
 
 pytestmark = pytest.mark.ray
-
-NUM_SAMPLES = 18
-MAX_INFLIGHT = 8  # Q × checkpoint_every for 2 ranks
-TIMEOUT_S = 300
 
 
 @pytest.fixture(autouse=True)
@@ -40,100 +32,9 @@ def _prompt_ray_train(monkeypatch):
     monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 
 
-def _samples(prefix: str, n: int, vocab_size: int) -> list[RenderedSample]:
-    generator = torch.Generator().manual_seed(0)
-    samples = []
-    for i in range(n):
-        length = 24 + (7 * i) % 17
-        loss_mask = torch.zeros(length, dtype=torch.bool)
-        loss_mask[length // 3:] = True
-        input_ids = torch.randint(3, vocab_size, (length,), generator=generator)
-        samples.append(RenderedSample(f"{prefix}{i:03d}", input_ids, loss_mask, False))
-    return samples
-
-
-def _contract(target):
-    return build_contract("dflash", target_fingerprint=target.target_fingerprint,
-                          template_fingerprint=target.template_fingerprint, num_target_layers=target.num_layers,
-                          hidden_size=target.hidden_size)
-
-
-class _Producer(threading.Thread):
-    """Captures samples in pairs: reserve room in the broker, write the blobs, offer the refs."""
-
-    def __init__(self, broker, server: CaptureServer, samples: list[RenderedSample]):
-        super().__init__(name="test-producer", daemon=True)
-        self.broker, self.server, self.samples = broker, server, samples
-        self.stop = threading.Event()
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        import ray
-
-        try:
-            for start in range(0, len(self.samples), 2):
-                batch = self.samples[start:start + 2]
-                estimate = sum(self.server.contract.min_bytes_per_token * s.num_tokens + 4096 for s in batch)
-                while not ray.get(self.broker.reserve.remote(len(batch), num_bytes=estimate, timeout=2), timeout=60):
-                    if self.stop.is_set():  # backpressure until the gang frees room, or the test gave up
-                        return
-                refs = self.server.capture(batch)
-                ray.get(self.broker.offer.remote(refs, reserved_bytes=estimate), timeout=60)
-            ray.get(self.broker.close.remote(), timeout=60)
-        except BaseException as e:  # noqa: BLE001 - re-raised by the test through check()
-            self.error = e
-
-    def check(self) -> None:
-        self.join(timeout=60)
-        assert not self.is_alive(), "the producer is still blocked"
-        if self.error is not None:
-            raise self.error
-
-
-def _cfg(tmp_path, name: str, *overrides: str) -> TrainSpec:
-    return load_config(TrainJobConfig, None, [
-        f"name={name}", "target.name=debug", "data.manifest=null", f"output.run_dir={tmp_path / 'run'}",
-        "optim.total_steps=100", "optim.warmup_steps=2", "optim.micro_batch_size=1", "optim.accumulation_steps=2",
-        "trainer.checkpoint_every=2", "trainer.log_every=1", "trainer.keep_last=2", "objective.num_anchors=4",
-        *overrides,
-    ]).train_spec()
-
-
-class _Stream:
-    """A broker fed by a producer thread, over a file:// store in tmp_path."""
-
-    def __init__(self, tmp_path, target):
-        self.store_uri = (tmp_path / "features").as_uri()
-        self.store = FeatureStore(self.store_uri)
-        contract = _contract(target)
-        self.broker = start_sample_broker(4, max_inflight=MAX_INFLIGHT, contract=contract, store_uri=self.store_uri)
-        self.samples = _samples("s", NUM_SAMPLES, target.vocab_size)
-        self.producer = _Producer(self.broker, CaptureServer(target, contract, self.store), self.samples)
-        self.producer.start()
-
-    def finish(self, result) -> None:
-        """Audit the ledger after the run and check the broker's bound held."""
-        import ray
-
-        self.producer.check()
-        report = audit(Ledger(result.ledger_uri), source_ids=[s.sample_id for s in self.samples], store=self.store)
-        assert report.ok, report.summary()
-        assert report.trained == NUM_SAMPLES
-        stats = ray.get(self.broker.stats.remote(), timeout=60)
-        assert stats["ended"] and stats["inflight"] == 0
-        assert stats["peak_inflight"] <= MAX_INFLIGHT
-
-    def close(self) -> None:
-        import ray
-
-        self.producer.stop.set()
-        self.producer.join(timeout=30)
-        ray.kill(self.broker)
-
-
 @pytest.fixture
 def stream(ray_cluster, debug_target, tmp_path):
-    stream = _Stream(tmp_path, debug_target)
+    stream = Stream(tmp_path, debug_target)
     yield stream
     stream.close()
 
@@ -145,7 +46,7 @@ def stream(ray_cluster, debug_target, tmp_path):
 ])
 def test_a_crash_is_recovered_with_every_sample_trained_exactly_once(stream, tmp_path, fault):
     plan = FaultPlan(marker=str(tmp_path / "crashed"), **fault)
-    result = run_trainer_gang(_cfg(tmp_path, "crash"), num_workers=2, storage_path=str(tmp_path / "ray"),
+    result = run_trainer_gang(train_spec(tmp_path, "crash"), num_workers=2, storage_path=str(tmp_path / "ray"),
                               broker=stream.broker, fault=plan, max_failures=1, timeout_s=TIMEOUT_S)
     assert (tmp_path / "crashed").exists()  # the fault fired once
     stream.finish(result)
@@ -157,7 +58,7 @@ def test_a_crash_is_recovered_with_every_sample_trained_exactly_once(stream, tmp
 
 
 def test_resume_with_a_smaller_gang_resplits_the_windows(stream, tmp_path):
-    cfg = _cfg(tmp_path, "shrink")
+    cfg = train_spec(tmp_path, "shrink")
     plan = FaultPlan(point="after_step_before_checkpoint", step=3, rank=1, marker=str(tmp_path / "crashed"))
     with pytest.raises(GangFailedError, match="rerun with the same storage_path and name to resume"):
         run_trainer_gang(cfg, num_workers=2, storage_path=str(tmp_path / "ray"), broker=stream.broker, fault=plan,
@@ -170,12 +71,51 @@ def test_resume_with_a_smaller_gang_resplits_the_windows(stream, tmp_path):
     assert result.step == 2 + 5  # 8 samples in 2 steps of Q = 4, then 10 in 5 steps of Q = 2
 
 
+def test_a_failed_stream_ends_every_rank_at_once_without_a_restart(ray_cluster, debug_target, tmp_path):
+    """The producer fails after 10 samples: windows 1-2 train, every rank gets the failure at step 3."""
+    stream = Stream(tmp_path, debug_target, fail_after=10)
+    try:
+        with pytest.raises(StreamFailedError, match=r"^the feature stream failed: RuntimeError: injected: capture "
+                                                    r"batch failed$"):
+            run_trainer_gang(train_spec(tmp_path, "failed"), num_workers=2, storage_path=str(tmp_path / "ray"),
+                             broker=stream.broker, max_failures=1, timeout_s=TIMEOUT_S)
+        stream.producer.check()
+    finally:
+        stream.close()
+    state = Ledger(str(tmp_path / "ray" / "failed" / "ledger")).replay()
+    assert list(state.attempts) == [0]  # one worker-group start: Ray Train did not restart the gang
+    assert [t["step"] for t in state.trained[0]] == [1, 2]
+    assert [(c["attempt"], c["step"]) for c in state.checkpoints] == [(0, 2)]  # no checkpoint after the failure
+
+
+@pytest.mark.parametrize("recapture", [True, False], ids=["captured-again", "no-recapture"])
+def test_a_corrupt_feature_is_captured_again_or_ends_the_gang(ray_cluster, debug_target, tmp_path, recapture):
+    """Sample s005 (window 2, rank 0) is corrupt in the store: never trained on, never a restart loop."""
+    stream = Stream(tmp_path, debug_target, corrupt={"s005"}, recapture=recapture)
+    spec = train_spec(tmp_path, "corrupt")
+    try:
+        if recapture:  # reported like a lost feature, captured again bit for bit, trained as dispatched
+            result = run_trainer_gang(spec, num_workers=2, storage_path=str(tmp_path / "ray"), broker=stream.broker,
+                                      max_failures=1, timeout_s=TIMEOUT_S)
+            stream.finish(result)
+            assert stream.producer.recaptured == ["s005"]
+            assert len(result.attempts) == 1 and result.step == 5
+            return
+        with pytest.raises(FeaturesLostError, match=r"step 2: the feature blobs of 1 dispatched samples are corrupt: "
+                                                    r"their bytes do not match .*s005.*no producer of this stream"):
+            run_trainer_gang(spec, num_workers=2, storage_path=str(tmp_path / "ray"), broker=stream.broker,
+                             max_failures=1, timeout_s=TIMEOUT_S)
+    finally:
+        stream.close()
+    assert list(Ledger(str(tmp_path / "ray" / "corrupt" / "ledger")).replay().attempts) == [0]
+
+
 def test_the_gang_refuses_a_stream_it_would_deadlock_on(ray_cluster, debug_target, tmp_path):
     import ray
 
-    cfg = _cfg(tmp_path, "refused")
+    cfg = train_spec(tmp_path, "refused")
     uri = (tmp_path / "features").as_uri()
-    small = start_sample_broker(4, max_inflight=6, contract=_contract(debug_target), store_uri=uri)
+    small = start_sample_broker(4, max_inflight=6, contract=contract_of(debug_target), store_uri=uri)
     fix = r"needs Q × trainer.checkpoint_every = 4 × 2 = 8 in flight. Raise max_inflight to >= 8"
     with pytest.raises(ValueError, match=fix):
         run_trainer_gang(cfg, num_workers=2, storage_path=str(tmp_path / "ray"), broker=small)
@@ -204,12 +144,9 @@ def test_split_window_deals_whole_and_partial_windows_over_the_slots():
 
 
 def test_offline_manifest_run_exports_a_loadable_drafter(ray_cluster, debug_target, tmp_path):
-    store_uri = (tmp_path / "features").as_uri()
-    contract = _contract(debug_target)
-    server = CaptureServer(debug_target, contract, FeatureStore(store_uri))
-    refs = server.capture(_samples("m", 6, debug_target.vocab_size))
-    manifest = write_manifest(str(tmp_path / "manifest.parquet"), refs, contract=contract, store_uri=store_uri)
-    cfg = _cfg(tmp_path, "offline", f"data.manifest={manifest}", "optim.total_steps=4", "optim.accumulation_steps=1")
+    manifest = offline_manifest(tmp_path, debug_target)
+    refs, store_uri, contract = read_manifest(manifest).refs, (tmp_path / "features").as_uri(), contract_of(debug_target)
+    cfg = train_spec(tmp_path, "offline", f"data.manifest={manifest}", "optim.total_steps=4", "optim.accumulation_steps=1")
     result = run_trainer_gang(cfg, num_workers=2, storage_path=str(tmp_path / "ray"), timeout_s=TIMEOUT_S)
     assert result.step == 4 and [r["step"] for r in result.metrics] == [1, 2, 3, 4]
     assert len(result.attempts) == 1
