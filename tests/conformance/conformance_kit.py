@@ -83,6 +83,18 @@ def build_drafter(algorithm: str, target, kind: str, *, frequent: list[int], see
 
 
 @contextmanager
+def one_thread():
+    """One intra-op thread: forwards of a few rows of small models gain little from two, and on a
+    busy machine two threads spin-wait for each other (several times the CPU time)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextmanager
 def recorded_verification():
     """Every ``kernels/rejection.py::rejection_sample`` call's target rows, drafts and draft q
     (clones; the function still runs): where every worker hands what it drafted to verification."""
@@ -177,8 +189,13 @@ def debug_run(algorithm: str, root: Path, golden: dict) -> DebugRun:
     return DebugRun(algorithm, root / "capture" / "manifest.parquet", list(golden["train"]))
 
 
+def records(run_dir: Path) -> list[dict]:
+    """The run's metrics records (``trainer/loop.py``), one per step with ``trainer.log_every=1``."""
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
 def losses(run_dir: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records(run_dir)]
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -9,10 +9,18 @@ fails every test of the suite instead of being skipped.
 
 import pytest
 from conformance_kit import (MAX_NEW, PROMPTS, REGISTRIES, build_drafter, debug_run, frequent_tokens, hf_greedy,
-                             read_golden, registered)
+                             one_thread, read_golden, registered)
 
 from specray.pipeline.train_job import run_training
 from specray.serving.requests import encode_prompt
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    """The suite's tests run on one intra-op thread (``conformance_kit.one_thread``; the DDP ranks,
+    separate processes, set their own)."""
+    with one_thread():
+        yield
 
 
 @pytest.fixture(params=registered())
@@ -30,7 +38,8 @@ def algorithm(request) -> str:
 def debug_greedy(debug_target) -> dict[tuple[int, ...], list[int]]:
     """transformers' greedy continuation (``MAX_NEW`` tokens, cut at EOS) of each of ``PROMPTS``."""
     prompts = [encode_prompt(debug_target.tokenizer, p) for p in PROMPTS]
-    return {tuple(ids): hf_greedy(debug_target, ids, MAX_NEW) for ids in prompts}
+    with one_thread():  # a session fixture: set up before the module's single_thread
+        return {tuple(ids): hf_greedy(debug_target, ids, MAX_NEW) for ids in prompts}
 
 
 @pytest.fixture

@@ -129,15 +129,13 @@ def smol_greedy(smollm2):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # ~1-2 min on an idle 2-core machine, the reference included
-@pytest.mark.parametrize("kind", ["random", "one_token"])
-def test_smollm2_greedy_equals_transformers_generate_on_mtbench(smollm2, smol_greedy, algorithm, kind, tmp_path):
-    drafter = build_drafter(algorithm, smollm2, kind, frequent=frequent_tokens(smol_greedy.values()))
+@pytest.mark.timeout(1200)  # about 1.5 min on an idle 2-core machine, the reference included
+def test_smollm2_greedy_equals_transformers_generate_on_mtbench(smollm2, smol_greedy, algorithm, tmp_path):
+    """The one-token drafter: most rounds reject, the rounds inside the target's runs of its token accept."""
+    drafter = build_drafter(algorithm, smollm2, "one_token", frequent=frequent_tokens(smol_greedy.values()))
     engine = Engine(smollm2, export(drafter, smollm2, tmp_path / "export"), max_batch=4, max_len=1024)
     outputs = engine.generate([list(ids) for ids in smol_greedy], SamplingParams(max_tokens=SMOL_MAX_NEW))
     mismatched = [i for i, out in enumerate(outputs) if out.token_ids != smol_greedy[tuple(out.prompt_ids)]]
     assert len(outputs) == SMOL_PROMPTS and not mismatched, f"MT-Bench prompts {mismatched} differ from generate"
     emitted = [n for out in outputs for n in out.emitted_per_round]
-    assert any(n == 1 for n in emitted)
-    if kind == "one_token":
-        assert any(n > 1 for n in emitted), emitted
+    assert any(n == 1 for n in emitted) and any(n > 1 for n in emitted), emitted
