@@ -142,17 +142,12 @@ def test_online_ray_store_captures_features_lost_with_their_actor_again(ray_clus
     assert online["peak_inflight_samples"] <= 6
 
 
-def test_online_pipeline_resumes_after_its_driver_is_killed(ray_cluster, tmp_path):
-    """SIGKILL the driver after the first checkpoint; ``--resume`` finishes the stream exactly once."""
-    from specray.pipeline.pipeline_job import run_pipeline
+def _kill_driver_after_a_checkpoint(ray_cluster, manifest: str, overrides: list[str], ledger_dir, run_dir) -> None:
+    """Run ``specray pipeline run`` and SIGKILL it once the ledger in ``ledger_dir`` names a checkpoint."""
     from specray.trainer.ledger import Ledger
 
-    run_dir = tmp_path / "online"
-    overrides = [*TINY, "data.max_samples=40", "online.max_inflight_samples=6", "serve.enabled=false",
-                 "bench.enabled=false", f"output.run_dir={run_dir}"]
-    driver = subprocess.Popen(["specray", "pipeline", "run", "-q", "manifests/online.yaml", *overrides,
+    driver = subprocess.Popen(["specray", "pipeline", "run", "-q", manifest, *overrides,
                                f"ray.address={ray_cluster.address}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    ledger_dir = run_dir / "ray-train" / "online-train" / "ledger"  # made by the driver, read here
     deadline = time.monotonic() + 300
     try:
         while not (ledger_dir.exists() and Ledger(str(ledger_dir)).replay().checkpoints):
@@ -164,6 +159,18 @@ def test_online_pipeline_resumes_after_its_driver_is_killed(ray_cluster, tmp_pat
         driver.kill()
         driver.wait(timeout=60)
     assert not (run_dir / "report.json").exists(), "the driver finished before it was killed: nothing was tested"
+
+
+def test_online_pipeline_resumes_after_its_driver_is_killed(ray_cluster, tmp_path):
+    """SIGKILL the driver after the first checkpoint; ``--resume`` finishes the stream exactly once."""
+    from specray.pipeline.pipeline_job import run_pipeline
+    from specray.trainer.ledger import Ledger
+
+    run_dir = tmp_path / "online"
+    overrides = [*TINY, "data.max_samples=40", "online.max_inflight_samples=6", "serve.enabled=false",
+                 "bench.enabled=false", f"output.run_dir={run_dir}"]
+    ledger_dir = run_dir / "ray-train" / "online-train" / "ledger"  # made by the driver, read here
+    _kill_driver_after_a_checkpoint(ray_cluster, "manifests/online.yaml", overrides, ledger_dir, run_dir)
     before = Ledger(str(ledger_dir)).replay()
     # Other datasets' blobs sharing the store root: not this stream's, so never deleted
     stream_dir = next((run_dir / "features" / "features").iterdir())  # features/<contract id>/
@@ -194,20 +201,8 @@ def test_offline_pipeline_resumes_after_its_driver_is_killed(ray_cluster, tmp_pa
     overrides = [*TINY, "train.optim.total_steps=12", "train.drafter.draft_vocab_size=128", "serve.enabled=false",
                  "bench.enabled=false", f"output.run_dir={run_dir}"]
     cfg = load_config(PipelineConfig, "manifests/quickstart.yaml", overrides)
-    driver = subprocess.Popen(["specray", "pipeline", "run", "-q", "manifests/quickstart.yaml", *overrides,
-                               f"ray.address={ray_cluster.address}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     ledger_dir = run_dir / "ray-train" / cfg.train_job(None).name / "ledger"  # made by the driver, read here
-    deadline = time.monotonic() + 300
-    try:
-        while not (ledger_dir.exists() and Ledger(str(ledger_dir)).replay().checkpoints):
-            assert driver.poll() is None, driver.stdout.read().decode()[-3000:]
-            assert time.monotonic() < deadline, "no checkpoint within 300 s"
-            time.sleep(0.05)
-        driver.send_signal(signal.SIGKILL)
-    finally:
-        driver.kill()
-        driver.wait(timeout=60)
-    assert not (run_dir / "report.json").exists(), "the driver finished before it was killed: nothing was tested"
+    _kill_driver_after_a_checkpoint(ray_cluster, "manifests/quickstart.yaml", overrides, ledger_dir, run_dir)
     killed_at = max(c["step"] for c in Ledger(str(ledger_dir)).replay().checkpoints)
     assert killed_at < 12
 
