@@ -23,8 +23,10 @@ Mask (``block_attention_mask``), per query of the block anchored at ``a``:
   block) and only the last ``sliding_window`` context positions before the anchor;
 - nothing of any other block.
 
-**Block-key bias (our addition, not in the seed or the DFlash reference).** Each head adds a
-learned logit bias (initialised to ``block_key_bias``, default 4) to the keys of its own block.
+**Block-key bias (our addition, not in the seed or the DFlash reference; off by default).** With
+``block_key_bias > 0`` each head adds a learned logit bias (initialised to that value) to the keys
+of its own block. No peer model (vLLM, speculators) has it, so a drafter trained with it cannot be
+exported in their format (``drafters/peer.py``); docs/benchmarks.md records its A/B.
 Without it, at initialisation a MASK query spreads its attention uniformly over hundreds of
 context keys, so the anchor — the one key that says which token the block continues — gets a
 1/S share of the gradient and is found very slowly: on a synthetic task whose next token is a
@@ -81,7 +83,7 @@ class DFlashConfig:
     sliding_window: int | None = None  # context positions visible in "sliding" mode
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    block_key_bias: float = 4.0  # initial value of the learned per-head bias on in-block keys (0 = off: none)
+    block_key_bias: float = 0.0  # initial value of the learned per-head bias on in-block keys (0 = off: none)
     draft_vocab_size: int | None = None  # V_d: draft over the V_d most frequent answer tokens (None = all V)
 
     def __post_init__(self) -> None:
@@ -144,7 +146,7 @@ class DFlashSection(DrafterSectionBase):
     attention: Literal["full", "sliding"] = Field("full", description="full: bidirectional in block; sliding: causal + window")
     sliding_window: int | None = Field(None, gt=0, description="context positions visible with attention=sliding")
     mask_token_id: int | None = Field(None, ge=0, description="MASK token (None = tokenizer's mask, else unk, else 0)")
-    block_key_bias: float = Field(4.0, ge=0, description="initial value of a learned per-head logit bias on the "
+    block_key_bias: float = Field(0.0, ge=0, description="initial value of a learned per-head logit bias on the "
                                                          "block's own keys (in no peer model: a drafter with it cannot "
                                                          "be exported as speculators); 0 = off, no such parameter")
 

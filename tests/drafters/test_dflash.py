@@ -140,7 +140,8 @@ def test_drafter_finds_the_anchor_through_a_long_context():
     head = nn.Linear(D_, V_, bias=False)
     head.weight = embed.weight
     cfg = DFlashConfig(hidden_size=D_, vocab_size=V_, target_layer_ids=(1,), mask_token_id=0, num_layers=1,
-                       num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, block_size=4)
+                       num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, block_size=4,
+                       block_key_bias=4.0)  # on: this is the bias's test (the default is off)
     strategy = DFlashStrategy(DFlashObjective(num_anchors=8))
     model = strategy.build_model(cfg, embed_tokens=embed, lm_head=head)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
