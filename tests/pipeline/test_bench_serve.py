@@ -190,7 +190,7 @@ def test_bench_serve_runs_vllm_with_our_drafter(debug_target, stand_in_vllm, tmp
     assert run["tau"] > 1 and run["accept_rate_by_pos"] == [0.5, 0.25]  # the stand-in's counters: 2 rounds
     assert set(result["vllm"]["mismatches_vs_specray_ar"]) == {"vllm-ar", "vllm-ngram", "vllm-drafter"}
     # vLLM with our drafter is timed interleaved with our engine with that drafter
-    paired = result["vllm"]["paired_specray_dflash_tokens_per_s"]["vllm-drafter"]["1"]
+    paired = result["vllm"]["paired_specray_drafter_tokens_per_s"]["vllm-drafter"]["1"]
     assert result["speedup_drafter_vs_vllm_drafter"] == pytest.approx(paired / run["tokens_per_s"])
     assert "vLLM with our drafter (eagle3 speculators export, k = 2)" in serve_table(result)
 

@@ -182,7 +182,8 @@ def test_bench_serve_writes_json_and_plot(debug_target, random_drafter, tmp_path
                  "--max-tokens", "6", "--batch-sizes", "1", "2", "--json", str(path), "--png", str(tmp_path / "a.png")]) == 0
     result = json.loads(path.read_text())
     systems = {(r["system"], r["batch_size"]) for r in result["runs"]}
-    assert {("specray-ar", 1), ("specray-dflash", 2), ("hf-generate", 1), ("hf-prompt-lookup", 1)} <= systems
+    assert {("specray-ar", 1), ("specray-drafter", 2), ("hf-generate", 1), ("hf-prompt-lookup", 1)} <= systems
+    assert result["algorithm"] == "dflash"
     for key in ("tau", "speedup_vs_ar", "speedup_vs_hf_generate", "bound_ratio", "greedy_match"):
         assert result[key] is not None
     assert result["speedup_vs_vllm_ar"] is None and result["greedy_match"] == 1.0
@@ -192,7 +193,7 @@ def test_bench_serve_writes_json_and_plot(debug_target, random_drafter, tmp_path
     assert all(phases[k] > 0 for k in ("draft", "verify", "accept", "commit", "wall"))
     assert sum(phases[k] for k in ("draft", "verify", "accept", "commit")) <= phases["wall"]
     out = capsys.readouterr().out
-    assert "tau" in out and "ms per DFlash round: draft" in out
+    assert "tau" in out and "ms per speculative round: draft" in out
 
 
 def test_num_speculative_tokens_caps_the_drafts_verified_per_round(debug_target, random_drafter):
