@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import ray
 from ray import serve
 
 from specray.actors.cluster import connect
@@ -135,14 +136,22 @@ class ServeHandle:
     model: str
     api_key: str | None
     app_name: str
+    started_serve: bool = False  # Serve was not running on the cluster before this application
 
     @property
     def base_url(self) -> str:
         return f"{self.url}/v1"
 
     def stop(self) -> None:
-        """Delete the application (its replicas); Serve's proxy stays for other applications."""
+        """Delete the application (its replicas). Serve itself (controller, proxy and its http options)
+        is shut down too when this application started it and no other application is left on it."""
         serve.delete(self.app_name)
+        if self.started_serve and not serve.status().applications:
+            serve.shutdown()
+
+
+def _serve_is_running() -> bool:
+    return any(a["name"] == "SERVE_CONTROLLER_ACTOR" for a in ray.util.list_named_actors(all_namespaces=True))
 
 
 def _wait_ready(url: str, timeout_s: float) -> None:
@@ -187,9 +196,14 @@ def start_serving(cfg: ServeJobConfig, *, timeout_s: float = 600.0) -> ServeHand
         )
     app = application(cfg, api_key)
     connect(cfg.ray.address, cfg.ray.num_cpus)
-    serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
-    serve.run(app, name=cfg.name, route_prefix="/")
     host = "127.0.0.1" if cfg.http.host in ("0.0.0.0", "::") else cfg.http.host
-    handle = ServeHandle(f"http://{host}:{cfg.http.port}", cfg.served_model_name, api_key, cfg.name)
-    _wait_ready(handle.url, timeout_s)
+    handle = ServeHandle(f"http://{host}:{cfg.http.port}", cfg.served_model_name, api_key, cfg.name,
+                         started_serve=not _serve_is_running())
+    serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
+    try:
+        serve.run(app, name=cfg.name, route_prefix="/")
+        _wait_ready(handle.url, timeout_s)
+    except BaseException:
+        handle.stop()  # nothing of a failed start stays deployed
+        raise
     return handle

@@ -103,7 +103,6 @@ class LoadBenchOptions(BaseModel):
 
 def bench_load(options: LoadBenchOptions, config: str | None = None, overrides: list[str] | None = None) -> dict:
     """Run the load-and-fault benchmark (module docstring) on the Serve config ``config`` + ``overrides``."""
-    from ray import serve
 
     from specray.actors.cluster import connect
     from specray.actors.serve import start_serving
@@ -120,7 +119,6 @@ def bench_load(options: LoadBenchOptions, config: str | None = None, overrides: 
         first = registry.publish(options.drafter)
         ray_was_up = ray.is_initialized()
         connect(cfg.ray.address, cfg.ray.num_cpus)
-        serve_was_up = any(a["name"] == "SERVE_CONTROLLER_ACTOR" for a in ray.util.list_named_actors(all_namespaces=True))
         handle = start_serving(cfg, timeout_s=options.startup_timeout_s)
         try:
             monitor = _Monitor(handle.url, handle.api_key)
@@ -130,9 +128,7 @@ def bench_load(options: LoadBenchOptions, config: str | None = None, overrides: 
             run.execute()
             monitor.settle(options.replicas, excluded=run.killed_replica)
         finally:
-            handle.stop()
-            if not serve_was_up:
-                serve.shutdown()
+            handle.stop()  # and Serve, when this run started it
             if not ray_was_up:
                 ray.shutdown()
     return _report(options, cfg, references, first, run, monitor)
