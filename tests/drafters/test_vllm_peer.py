@@ -62,15 +62,21 @@ def _fit(model, batches, loss_of) -> None:
             optimizer.step()
 
 
+def _seeded(drafter_class, cfg, target, vocab: torch.Tensor):
+    """A drafter initialised from seed 0 on the target's embedding and LM head, over ``vocab``."""
+    torch.manual_seed(0)
+    model = drafter_class(cfg, embed_tokens=target.model.get_input_embeddings(),
+                          lm_head=target.model.get_output_embeddings())
+    model.set_draft_vocab(vocab)
+    return model
+
+
 def _memorise_dflash(target, sequences: list[torch.Tensor], starts: list[int], layer_ids, vocab) -> dflash.DFlashDrafter:
     """DFlash (no block-key bias: the peer has none) trained on the blocks anchored in each answer:
     sequences [S_i] token ids whose answers start at ``starts[i]``."""
     cfg = replace(dflash.debug_config(target, layer_ids), block_key_bias=0.0, draft_vocab_size=len(vocab),
                   num_heads=8, head_dim=64, intermediate_size=512)
-    torch.manual_seed(0)
-    model = dflash.DFlashDrafter(cfg, embed_tokens=target.model.get_input_embeddings(),
-                                 lm_head=target.model.get_output_embeddings())
-    model.set_draft_vocab(vocab)
+    model = _seeded(dflash.DFlashDrafter, cfg, target, vocab)
     batches = []
     for ids, start in zip(sequences, starts):
         anchors = torch.arange(start - 1, len(ids) - 1)[None]  # [1, N]: the prompt's last token, then the answer
@@ -92,10 +98,7 @@ def _memorise_eagle3(target, sequences: list[torch.Tensor], starts: list[int], l
     with the first answer token."""
     cfg = eagle3.debug_config(target, layer_ids, draft_vocab_size=len(vocab), num_heads=8, head_dim=64,
                               intermediate_size=512)
-    torch.manual_seed(0)
-    model = eagle3.Eagle3Drafter(cfg, embed_tokens=target.model.get_input_embeddings(),
-                                 lm_head=target.model.get_output_embeddings())
-    model.set_draft_vocab(vocab)
+    model = _seeded(eagle3.Eagle3Drafter, cfg, target, vocab)
     batches = []
     for ids, start in zip(sequences, starts):
         rows = torch.arange(len(ids))
