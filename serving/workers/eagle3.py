@@ -42,24 +42,23 @@ DEFAULT_NUM_DRAFTS = 3  # k when the engine does not set num_speculative_tokens
 
 
 class Eagle3Worker:
-    """``num_speculative_tokens`` = k drafts per round (chain length; default ``DEFAULT_NUM_DRAFTS``).
+    """``num_speculative_tokens`` = the longest chain a round may draft (default ``DEFAULT_NUM_DRAFTS``);
+    ``verify_sizes`` = ``1 … k``, the chain lengths the engine may pick per round.
 
-    ``max_speculative_batch``: a step over more requests than this is a *plain* step (one target
-    row per request, the next token sampled as the AR worker does), after which the drafter extends
-    its cache by that row, so speculation resumes with the right state once the batch shrinks."""
+    ``step(..., size=0)`` is a *plain* step (one target row per request, the next token sampled as
+    the AR worker does), after which the drafter extends its cache by that row, so speculation
+    resumes with the right state on the next round."""
 
-    def __init__(self, runner: LlamaRunner, drafter: Eagle3Drafter, *, num_speculative_tokens: int | None = None,
-                 max_speculative_batch: int | None = None):
+    verify_layout = "chain"
+
+    def __init__(self, runner: LlamaRunner, drafter: Eagle3Drafter, *, num_speculative_tokens: int | None = None):
         cfg = drafter.config
         if tuple(runner.capture_layer_ids) != tuple(cfg.target_layer_ids):
             raise ValueError("the runner must capture the drafter's target layer ids")
         k = DEFAULT_NUM_DRAFTS if num_speculative_tokens is None else num_speculative_tokens
         if k < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
-        if max_speculative_batch is not None and max_speculative_batch < 0:
-            raise ValueError(f"max_speculative_batch must be >= 0 (0 = never speculate), got {max_speculative_batch}")
-        self.num_draft_tokens = k
-        self.max_speculative_batch = max_speculative_batch
+        self.verify_sizes = tuple(range(1, k + 1))  # chain lengths a round may verify
         self.runner, self.drafter, self.cfg = runner, drafter, cfg
         slots, dtype = runner.cache.num_slots, drafter.fc.weight.dtype
         self.cache = SlotKVCache(num_layers=cfg.num_layers, num_slots=slots, max_len=runner.cache.max_len,
@@ -72,11 +71,7 @@ class Eagle3Worker:
 
     @property
     def max_verify_rows(self) -> int:
-        return self.num_draft_tokens + 1
-
-    def speculates(self, batch: int) -> bool:
-        """Whether a step over ``batch`` requests drafts and verifies (else it is a plain step)."""
-        return self.max_speculative_batch is None or batch <= self.max_speculative_batch
+        return self.verify_sizes[-1] + 1
 
     def stats(self) -> dict:
         return {"steps": self.steps, "phase_seconds": dict(self.phase_seconds)}
@@ -149,7 +144,7 @@ class Eagle3Worker:
         return logits
 
     @torch.inference_mode()
-    def propose(self, slots: list[int], params, generators):
+    def propose(self, slots: list[int], params, generators, k: int):
         """Draft a chain of k tokens per request from its state; returns (drafts [B, k] target ids,
         q [k, V] per request or None when greedy: the distribution each draft was drawn from,
         over the target's vocabulary, zero outside the draft vocabulary)."""
@@ -157,11 +152,11 @@ class Eagle3Worker:
         committed = self.cache.committed[slot_t]
         state = self.state[slot_t]  # [B, D]
         drafts, qs = [], [[] for _ in slots]
-        for j in range(self.num_draft_tokens):
+        for j in range(k):
             logits = self.drafter.compute_logits(state)  # [B, V_d]
             index = torch.stack([self._draw(logits[b], p, g, qs[b]) for b, (p, g) in enumerate(zip(params, generators))])
             drafts.append(self.drafter.draft_to_target(index))  # [B]
-            if j + 1 < self.num_draft_tokens:  # the chain row of this draft: scratch at committed + j
+            if j + 1 < k:  # the chain row of this draft: scratch at committed + j
                 state = self._rows(slot_t, committed + j, state[:, None], drafts[-1][:, None])[:, 0]
         q = [None if p.greedy else self.drafter.to_target_distribution(torch.stack(rows)) for p, rows in zip(params, qs)]
         return torch.stack(drafts, dim=1), q
@@ -175,14 +170,17 @@ class Eagle3Worker:
         qs.append(q)
         return torch.multinomial(q, 1, generator=generator)[0]
 
-    def step(self, slots: list[int], anchors: list[int], params, generators) -> StepOutput:
-        """One draft → verify → accept → commit → extend round (a plain step above
-        ``max_speculative_batch``). Wall-clock time per phase accumulates in ``phase_seconds``."""
+    def step(self, slots: list[int], anchors: list[int], params, generators, size: int) -> StepOutput:
+        """One draft → verify → accept → commit → extend round of ``size`` drafts per request
+        (``size`` in ``verify_sizes``; 0: a plain step). Wall-clock time per phase accumulates
+        in ``phase_seconds``."""
         self._take_anchors(slots, anchors)
-        if not self.speculates(len(slots)):
+        if size == 0:
             return self._plain_step(slots, anchors, params, generators)
+        if size not in self.verify_sizes:
+            raise ValueError(f"size {size} is not a verify size of this worker {self.verify_sizes} (or 0: a plain step)")
         t0 = time.perf_counter()
-        drafts, qs = self.propose(slots, params, generators)
+        drafts, qs = self.propose(slots, params, generators, size)
         verify_ids = torch.cat([torch.tensor(anchors)[:, None], drafts], dim=1)  # [B, k + 1]
         B, M = verify_ids.shape
         t1 = time.perf_counter()

@@ -39,9 +39,11 @@ def _encode(target, text):
                                                 tokenize=True, return_dict=True)["input_ids"]
 
 
-def _generate(worker, prompts, max_new, params=None, seed=0, release=True):
-    """Drive the worker as the engine does: prefill, sample the first anchor, step until max_new
-    tokens, release. Returns the tokens per request and the StepOutput of every round."""
+def _generate(worker, prompts, max_new, params=None, seed=0, release=True, size=None):
+    """Drive the worker as the engine does: prefill, sample the first anchor, step (``size``
+    drafts, default the worker's largest verify size) until max_new tokens, release. Returns the
+    tokens per request and the StepOutput of every round."""
+    size = worker.verify_sizes[-1] if size is None else size
     B = len(prompts)
     params = params or SamplingParams()
     generators = [torch.Generator().manual_seed(seed + b) for b in range(B)]
@@ -49,7 +51,7 @@ def _generate(worker, prompts, max_new, params=None, seed=0, release=True):
     out = [[sample_next(logits[b], params, generators[b])] for b in range(B)]
     rounds = []
     while min(len(o) for o in out) < max_new:
-        step = worker.step(list(range(B)), [o[-1] for o in out], [params] * B, generators)
+        step = worker.step(list(range(B)), [o[-1] for o in out], [params] * B, generators, size)
         for o, tokens in zip(out, step.tokens):
             o += tokens
         rounds.append(step)
@@ -105,8 +107,8 @@ class _Oracle:
         self.propose = worker.propose
         worker.propose = self
 
-    def __call__(self, slots, params, generators):
-        drafts, qs = self.propose(slots, params, generators)  # the chain runs (and writes its scratch rows)
+    def __call__(self, slots, params, generators, k):
+        drafts, qs = self.propose(slots, params, generators, k)  # the chain runs (and writes its scratch rows)
         drafts, k = drafts.clone(), drafts.shape[1]
         for b, slot in enumerate(slots):
             cont = (_hf_greedy(self.target, self.history[slot] + [self.anchors[b]], k) + [0] * k)[:k]
@@ -140,7 +142,7 @@ def test_drafter_cache_after_every_round_equals_a_fresh_prefill_of_the_accepted_
     oracle = _Oracle(worker, debug_target, history, anchors)
     accepted = set()
     for _ in range(6):
-        step = worker.step([0, 1], anchors, [SamplingParams()] * 2, [None, None])
+        step = worker.step([0, 1], anchors, [SamplingParams()] * 2, [None, None], 3)
         for b in (0, 1):
             history[b] += [anchors[b]] + step.tokens[b][:-1]
             anchors[b] = step.tokens[b][-1]
@@ -152,9 +154,8 @@ def test_drafter_cache_after_every_round_equals_a_fresh_prefill_of_the_accepted_
 def test_plain_steps_keep_the_drafter_state_and_stay_lossless(debug_target):
     drafter = _drafter(debug_target)
     worker = _worker(debug_target, drafter, k=2, slots=2)
-    worker.max_speculative_batch = 1  # two requests: plain steps
     prompts = [_encode(debug_target, p) for p in PROMPTS[:2]]
-    tokens, rounds = _generate(worker, prompts, 6, release=False)
+    tokens, rounds = _generate(worker, prompts, 6, release=False, size=0)
     assert not any(step.speculative for step in rounds) and worker.stats()["steps"] == 0
     for prompt, got in zip(prompts, tokens):
         assert _to_eos(debug_target, got) == _hf_greedy(debug_target, prompt, 6)
@@ -168,7 +169,7 @@ def test_sampled_drafts_come_from_the_q_handed_to_verification(debug_target):
     worker.prefill([0, 1], prompts)
     worker._take_anchors([0, 1], [5, 7])
     params = [SamplingParams(temperature=1.0), SamplingParams()]
-    drafts, qs = worker.propose([0, 1], params, [torch.Generator().manual_seed(0), None])
+    drafts, qs = worker.propose([0, 1], params, [torch.Generator().manual_seed(0), None], 3)
     assert drafts.shape == (2, 3) and torch.isin(drafts, vocab).all()
     q = qs[0]  # [k, V]: zero outside the draft vocabulary, the drafts drawn from it
     outside = torch.ones(debug_target.vocab_size, dtype=torch.bool)
