@@ -73,6 +73,16 @@ class SlotKVCache:
             raise ValueError(f"cannot commit {num_rows} rows to slot {slot} at length {int(self.committed[slot])}")
         self.committed[slot] += num_rows
 
+    def compact(self, slot: int, rows: torch.Tensor) -> None:
+        """Move scratch rows ``committed + rows[i]`` to ``committed + i`` (every layer), e.g. a tree
+        verify's accepted path ``rows = [0, 2, 5]`` -> rows ``[0, 1, 2]``, ready for ``commit(slot, 3)``.
+        ``rows`` [n] ascending: gathered (copied) before the write, so overlaps are safe."""
+        start = int(self.committed[slot])
+        n = len(rows)
+        src = start + torch.as_tensor(rows, dtype=torch.long)
+        self.k[:, slot, :, start : start + n] = self.k[:, slot].index_select(2, src)  # [L, Hkv, n, hd]
+        self.v[:, slot, :, start : start + n] = self.v[:, slot].index_select(2, src)
+
 
 def attention_mask(start: torch.Tensor, num_new: torch.Tensor, T: int, length: int) -> torch.Tensor:
     """[B, T, length] bool: query t of request b (position start[b] + t) sees keys at positions
@@ -84,3 +94,16 @@ def attention_mask(start: torch.Tensor, num_new: torch.Tensor, T: int, length: i
     mask[padded] = False
     mask[..., 0] |= padded
     return mask
+
+
+def tree_attention_mask(start: torch.Tensor, ancestors: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, T, length] bool for a tree verify (``serving/runner.py::TreeLayout``): query t of
+    request b sees its committed keys (``< start[b]``) and key ``start[b] + j`` iff
+    ``ancestors[b, t, j]`` (row j is t or an ancestor of t); keys past ``start[b] + T`` not at all."""
+    B, T, _ = ancestors.shape
+    k_pos = torch.arange(length)
+    mask = (k_pos[None, None, :] < start[:, None, None]).expand(B, T, length).clone()
+    rows = k_pos[None, :] - start[:, None]  # [B, length]: the forward's row a key holds (if 0 <= . < T)
+    inside = (rows >= 0) & (rows < T)
+    own = torch.gather(ancestors, 2, rows.clamp(0, T - 1)[:, None, :].expand(B, T, length))  # [B, T, length]
+    return mask | (own & inside[:, None, :])

@@ -44,12 +44,27 @@ import torch
 import torch.nn.functional as F
 
 from specray.drafters.common import apply_rope_table, rope_table, weight_major_linear
-from specray.serving.kv_cache import SlotKVCache, attention_mask
+from specray.serving.kv_cache import SlotKVCache, attention_mask, tree_attention_mask
 
 @dataclass
 class RunnerOutput:
     logits: torch.Tensor  # [B, T, V] float32
     hidden: dict[int, torch.Tensor]  # layer id -> [B, T, D] decoder-layer output
+
+
+@dataclass
+class TreeLayout:
+    """A verify whose ``T`` rows per request form a tree (EAGLE-2, seed §2.3): rows in topological
+    order, row 0 the anchor. Row ``t`` runs at RoPE position ``committed + depths[b, t]`` and sees
+    the committed context and the rows ``j`` of its own forward with ``ancestors[b, t, j]`` (itself
+    and its ancestors; siblings share a depth, so not each other). Its K/V is scratch at cache row
+    ``committed + t`` (``SlotKVCache.compact`` moves an accepted path to contiguous rows).
+
+    Example, anchor a with children x, y and x's child z, rows ``[a, x, y, z]``: depths
+    ``[0, 1, 1, 2]``; z sees ``[a, x, z]``, y sees ``[a, y]``. Padding rows see only themselves."""
+
+    depths: torch.Tensor  # [B, T] long, 0 for the anchor
+    ancestors: torch.Tensor  # [B, T, T] bool, [b, t, j]: row t sees row j (j == t or an ancestor)
 
 
 def pad_rows(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,10 +131,11 @@ class LlamaRunner:
         self.cache = SlotKVCache(num_layers=len(self.layers), num_slots=num_slots, max_len=max_len,
                                  num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=dtype)
 
-    def _plan(self, slots: torch.Tensor, num_new: torch.Tensor, T: int) -> _Plan:
+    def _plan(self, slots: torch.Tensor, num_new: torch.Tensor, T: int, tree: TreeLayout | None) -> _Plan:
         B, Hkv, hd = len(slots), self.num_kv_heads, self.head_dim
         start = self.cache.committed[slots]  # [B]
-        positions = (start[:, None] + torch.arange(T)).view(-1)  # [B*T]
+        rows_at = (start[:, None] + torch.arange(T)).view(-1)  # [B*T] cache rows written
+        positions = rows_at if tree is None else (start[:, None] + tree.depths).view(-1)  # [B*T] RoPE positions
         length = int((start + T).max())
         if length > self.cache.max_len:
             raise ValueError(f"context of {length} tokens exceeds the engine's max_len {self.cache.max_len}")
@@ -129,12 +145,12 @@ class LlamaRunner:
             write_views = (list(self.cache.k[:, slot, :, first : first + T].unbind(0)),
                            list(self.cache.v[:, slot, :, first : first + T].unbind(0)))
         else:
-            write_index = (slots.repeat_interleave(T)[:, None], torch.arange(Hkv)[None, :], positions[:, None])
+            write_index = (slots.repeat_interleave(T)[:, None], torch.arange(Hkv)[None, :], rows_at[:, None])
         rows, bias = B * T, None
         if rows == 1:  # a lone row sees every committed key and itself: no mask; run it twice
             positions, T = positions.expand(2), 2
         else:
-            bias = self._attention_bias(start, num_new, T, length)
+            bias = self._attention_bias(start, num_new, T, length, tree)
         index = self.cache.index(slots)
         keys = values = None
         if isinstance(index, slice):  # views: they see this forward's writes
@@ -144,12 +160,16 @@ class LlamaRunner:
         return _Plan(B, T, rows, self.cos[positions][:, None], self.sin[positions][:, None], bias, write_index,
                      write_views, keys, values, index, length)
 
-    def _attention_bias(self, start: torch.Tensor, num_new: torch.Tensor, T: int, length: int) -> torch.Tensor:
-        """The [B, T, length] mask as an additive bias [B*Hkv, g*T, length], repeated for the g query
-        heads of each KV head (query rows are head-major per request: [h0 t0, h0 t1, …, h1 t0, …])."""
+    def _attention_bias(self, start: torch.Tensor, num_new: torch.Tensor, T: int, length: int,
+                        tree: TreeLayout | None) -> torch.Tensor:
+        """The [B, T, length] mask (causal, or the tree's) as an additive bias [B*Hkv, g*T, length], repeated
+        for the g query heads of each KV head (query rows are head-major per request: [h0 t0, h0 t1, …, h1 t0, …])."""
         B, Hkv = len(start), self.num_kv_heads
         g = self.num_heads // Hkv
-        mask = attention_mask(start, num_new, T, length)  # [B, T, length]
+        if tree is None:
+            mask = attention_mask(start, num_new, T, length)  # [B, T, length]
+        else:
+            mask = tree_attention_mask(start, tree.ancestors, length)
         bias = torch.zeros(mask.shape, dtype=self.cos.dtype).masked_fill_(~mask, float("-inf"))
         return bias[:, None, None].expand(B, Hkv, g, T, length).reshape(B * Hkv, g * T, length)
 
@@ -179,9 +199,11 @@ class LlamaRunner:
         return out.view(B, Hkv, g, T, hd).permute(0, 3, 1, 2, 4).reshape(B * T, H * hd)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, slots: torch.Tensor, num_new: torch.Tensor) -> RunnerOutput:
+    def forward(self, input_ids: torch.Tensor, slots: torch.Tensor, num_new: torch.Tensor,
+                tree: TreeLayout | None = None) -> RunnerOutput:
+        """``tree``: the rows form a tree per request (``TreeLayout``), else a causal chain."""
         B, T = input_ids.shape
-        plan = self._plan(slots, num_new, T)
+        plan = self._plan(slots, num_new, T, tree)
         x = F.embedding(input_ids.view(-1).expand(plan.B * plan.T), self.embed)  # [R, D]
         D = x.shape[-1]
         hidden: dict[int, torch.Tensor] = {}
