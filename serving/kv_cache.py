@@ -97,13 +97,16 @@ def attention_mask(start: torch.Tensor, num_new: torch.Tensor, T: int, length: i
 
 
 def tree_attention_mask(start: torch.Tensor, ancestors: torch.Tensor, length: int) -> torch.Tensor:
-    """[B, T, length] bool for a tree verify (``serving/runner.py::TreeLayout``): query t of
-    request b sees its committed keys (``< start[b]``) and key ``start[b] + j`` iff
-    ``ancestors[b, t, j]`` (row j is t or an ancestor of t); keys past ``start[b] + T`` not at all."""
-    B, T, _ = ancestors.shape
+    """[B, T, length] bool for tree rows (``serving/runner.py::TreeLayout``): query t of request b
+    sees its committed keys (``< start[b]``) and the scratch key ``start[b] + j`` iff
+    ``ancestors[b, t, j]`` (row j is t or an ancestor of t); keys past ``start[b] + S`` not at all.
+    ``ancestors`` [B, T, S]: S = T in a verify; S scratch rows of earlier forwards for draft rows."""
+    B, T, S = ancestors.shape
     k_pos = torch.arange(length)
     mask = (k_pos[None, None, :] < start[:, None, None]).expand(B, T, length).clone()
-    rows = k_pos[None, :] - start[:, None]  # [B, length]: the forward's row a key holds (if 0 <= . < T)
-    inside = (rows >= 0) & (rows < T)
-    own = torch.gather(ancestors, 2, rows.clamp(0, T - 1)[:, None, :].expand(B, T, length))  # [B, T, length]
+    if S == 0:
+        return mask
+    rows = k_pos[None, :] - start[:, None]  # [B, length]: the scratch row a key holds (if 0 <= . < S)
+    inside = (rows >= 0) & (rows < S)
+    own = torch.gather(ancestors, 2, rows.clamp(0, S - 1)[:, None, :].expand(B, T, length))  # [B, T, length]
     return mask | (own & inside[:, None, :])

@@ -61,8 +61,9 @@ class Eagle3Worker:
         self.verify_sizes = tuple(range(1, k + 1))  # chain lengths a round may verify
         self.runner, self.drafter, self.cfg = runner, drafter, cfg
         slots, dtype = runner.cache.num_slots, drafter.fc.weight.dtype
-        self.cache = SlotKVCache(num_layers=cfg.num_layers, num_slots=slots, max_len=runner.cache.max_len,
-                                 num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype)
+        self.cache = SlotKVCache(num_layers=cfg.num_layers, num_slots=slots,
+                                 max_len=runner.cache.max_len + self._scratch_rows(), num_kv_heads=cfg.num_kv_heads,
+                                 head_dim=cfg.head_dim, dtype=dtype)
         self.state = torch.zeros(slots, cfg.hidden_size, dtype=dtype)  # [slots, D] output of the last row
         self.pending = torch.zeros(slots, cfg.hidden_size, dtype=dtype)  # [slots, D] g of the row awaiting its token
         self.has_pending = torch.zeros(slots, dtype=torch.bool)
@@ -72,6 +73,10 @@ class Eagle3Worker:
     @property
     def max_verify_rows(self) -> int:
         return self.verify_sizes[-1] + 1
+
+    def _scratch_rows(self) -> int:
+        """Drafter rows past the target's verify rows a round writes (a chain's k − 1 fit in them)."""
+        return 0
 
     def stats(self) -> dict:
         return {"steps": self.steps, "phase_seconds": dict(self.phase_seconds)}
@@ -96,11 +101,19 @@ class Eagle3Worker:
         them and are never read as context). Returns output states [B, T, D]."""
         B, T = tokens.shape
         C = int(start.max())
-        index = self.cache.index(slots)
-        past = [self.cache.read(layer, index, C) for layer in range(self.cfg.num_layers)]  # [B, Hkv, C, hd]
         mask = torch.cat([(torch.arange(C)[None, :] < start[:, None])[:, None, :].expand(B, T, C),
                           torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T)], dim=-1)  # [B, T, C + T]
-        positions = start[:, None] + torch.arange(T) + 1
+        return self._run_rows(slots, start, state, tokens, start[:, None] + torch.arange(T) + 1, mask)
+
+    @torch.inference_mode()
+    def _run_rows(self, slots: torch.Tensor, start: torch.Tensor, state: torch.Tensor, tokens: torch.Tensor,
+                  positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Drafter rows (state [B, T, D], tokens / positions [B, T]) over the slot's cache rows
+        ``< C`` under ``mask`` [B, T, C + T]; their K/V written as scratch at rows ``start[b] + t``.
+        Returns output states [B, T, D]."""
+        C = mask.shape[-1] - tokens.shape[1]
+        index = self.cache.index(slots)
+        past = [self.cache.read(layer, index, C) for layer in range(self.cfg.num_layers)]  # [B, Hkv, C, hd]
         out, new_kv = self.drafter.forward_cached(state, tokens, positions, past, mask)
         for layer, (k, v) in enumerate(new_kv):
             self.cache.write(layer, slots, start, k, v)

@@ -13,6 +13,7 @@ from specray.serving.engine import Engine
 from specray.serving.runner import LlamaRunner
 from specray.serving.sampling import SamplingParams, sample_next
 from specray.serving.workers.eagle3 import DEFAULT_NUM_DRAFTS, Eagle3Worker
+from specray.serving.workers.eagle3_tree import Eagle3TreeWorker
 
 PROMPTS = ["Hi", "Tell me about dragons and castles.", "1 2 3 4 5 6"]
 
@@ -219,3 +220,106 @@ def test_sampled_rounds_keep_the_targets_distribution(debug_target, one_thread):
     chi2 = sum((counts.get(c, 0) - n * p) ** 2 / (n * p) for c, p in exact.items())
     assert chi2 < 26.1, (chi2, counts)
     assert accepted[0] > 0.05 * n and accepted[1] > 0  # both branches ran, at both chain depths
+
+
+# -- EAGLE-2 dynamic trees (serving/workers/eagle3_tree.py) --------------------------------------------
+
+
+def _tree_worker(target, drafter, slots=3, **options):
+    runner = LlamaRunner(target.model, num_slots=slots, max_len=512, capture_layer_ids=drafter.config.target_layer_ids)
+    return Eagle3TreeWorker(runner, drafter, **options)
+
+
+def test_tree_worker_sizes_and_options(debug_target):
+    worker = _tree_worker(debug_target, _drafter(debug_target))
+    assert worker.verify_layout == "tree" and worker.verify_sizes == (1, 2, 3, 4, 6, 8, 12, 16)
+    assert worker.max_verify_rows == 17
+    worker = _tree_worker(debug_target, _drafter(debug_target), num_speculative_tokens=2, top_k=2, max_nodes=64)
+    assert worker.verify_sizes == (1, 2, 3, 4, 6)  # a full tree of depth 2, width 2: 2 + 4 nodes
+    with pytest.raises(ValueError, match="top_k"):
+        _tree_worker(debug_target, _drafter(debug_target, torch.arange(3)), top_k=4)
+
+
+@pytest.mark.parametrize("size", [1, 3, 8])
+def test_tree_greedy_equals_transformers_generate(debug_target, size):
+    worker = _tree_worker(debug_target, _drafter(debug_target), num_speculative_tokens=4, top_k=3, max_nodes=8)
+    prompts = [_encode(debug_target, p) for p in PROMPTS]
+    tokens, rounds = _generate(worker, prompts, 16, size=size)
+    for prompt, got in zip(prompts, tokens):
+        assert _to_eos(debug_target, got) == _hf_greedy(debug_target, prompt, 16)
+    assert all(step.speculative and 1 <= min(step.num_drafts) <= max(step.num_drafts) <= min(size, 4) for step in rounds)
+
+
+class _TreeOracle:
+    """Replaces ``draft_tree``: the drafter's tree still grows (writing its scratch rows), but the
+    nodes handed on are a caterpillar of depth d = size / 2: the target's greedy continuation as
+    a path, each path node with a sibling leaf. Round i corrupts depth ``i % (d + 1)`` (none at
+    d) and, every other cycle, puts the right token on that depth's sibling, so rounds accept
+    every r in 0..d, through path rows and through a sibling (a non-contiguous path)."""
+
+    def __init__(self, worker, target, history, anchors):
+        self.worker, self.target, self.history, self.anchors, self.round = worker, target, history, anchors, 0
+        self.draft_tree = worker.draft_tree
+        worker.draft_tree = self
+
+    def __call__(self, slots, params, size):
+        self.draft_tree(slots, params, size)
+        d, V = size // 2, self.target.vocab_size
+        bad, via_sibling = self.round % (d + 1), (self.round // (d + 1)) % 2 == 1
+        tokens, parents = [], []
+        for b, slot in enumerate(slots):
+            cont = (_hf_greedy(self.target, self.history[slot] + [self.anchors[b]], d) + [0] * d)[:d]
+            row_tokens, row_parents = [], []
+            for j, right in enumerate(cont):  # depth j + 1: path node 2j (parent 2j − 2), sibling 2j + 1
+                path, sibling = right, (right + 2) % V
+                if j == bad:
+                    path = (right + 1) % V
+                    sibling = right if via_sibling else sibling
+                row_tokens += [path, sibling]
+                row_parents += [2 * j - 2 if j else -1] * 2
+            tokens.append(row_tokens)
+            parents.append(row_parents)
+        depth = torch.arange(d).repeat_interleave(2) + 1
+        scores = -(depth + torch.tensor([0.0, 0.5]).repeat(d)).float().expand(len(slots), 2 * d)
+        self.round += 1
+        return torch.tensor(tokens), torch.tensor(parents), scores
+
+
+def _assert_target_cache_equals_a_fresh_prefill(target, worker, slot, text):
+    fresh = LlamaRunner(target.model, num_slots=1, max_len=512)
+    fresh.forward(torch.tensor([text[:-1]]), torch.tensor([0]), torch.tensor([len(text) - 1]))
+    n = len(text) - 1
+    torch.testing.assert_close(worker.runner.cache.k[:, slot, :, :n], fresh.cache.k[:, 0, :, :n], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(worker.runner.cache.v[:, slot, :, :n], fresh.cache.v[:, 0, :, :n], rtol=1e-4, atol=1e-4)
+
+
+def test_tree_caches_after_every_round_equal_a_fresh_prefill_of_the_accepted_text(debug_target):
+    drafter = _drafter(debug_target)
+    worker = _tree_worker(debug_target, drafter, slots=2, num_speculative_tokens=4, top_k=3, max_nodes=8)
+    prompts = [_encode(debug_target, p) for p in PROMPTS[:2]]
+    history = {0: list(prompts[0]), 1: list(prompts[1])}
+    logits = worker.prefill([0, 1], prompts)
+    anchors = [int(logits[0].argmax()), int(logits[1].argmax())]
+    oracle = _TreeOracle(worker, debug_target, history, anchors)
+    accepted = set()
+    for _ in range(10):
+        step = worker.step([0, 1], anchors, [SamplingParams()] * 2, [None, None], 8)
+        for b in (0, 1):
+            assert step.tokens[b] == _hf_greedy(debug_target, history[b] + [anchors[b]], len(step.tokens[b]))
+            history[b] += [anchors[b]] + step.tokens[b][:-1]
+            anchors[b] = step.tokens[b][-1]
+            accepted.add(step.accepted[b])
+            _assert_drafter_state_equals_a_fresh_prefill(debug_target, drafter, worker, b, history[b] + [anchors[b]])
+            _assert_target_cache_equals_a_fresh_prefill(debug_target, worker, b, history[b] + [anchors[b]])
+    assert accepted == {0, 1, 2, 3, 4} and oracle.round == 10 and step.num_drafts == [4, 4]
+
+
+def test_tree_plain_steps_stay_lossless(debug_target):
+    drafter = _drafter(debug_target)
+    worker = _tree_worker(debug_target, drafter, slots=2)
+    prompts = [_encode(debug_target, p) for p in PROMPTS[:2]]
+    tokens, rounds = _generate(worker, prompts, 6, release=False, size=0)
+    assert not any(step.speculative for step in rounds)
+    for slot, (prompt, got) in enumerate(zip(prompts, tokens)):
+        assert _to_eos(debug_target, got) == _hf_greedy(debug_target, prompt, 6)
+        _assert_drafter_state_equals_a_fresh_prefill(debug_target, drafter, worker, slot, prompt + got)
