@@ -189,37 +189,43 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def test_sampled_rounds_keep_the_targets_distribution(debug_target, one_thread):
+def _two_sampled_tokens(target, make_worker, size):
     """Two tokens per request at temperature 1, top-k 3: the first from the prefill, the second from
-    a round (drafts accepted or rejected). Their joint frequency matches the target's p(t1) p(t2|t1)."""
-    prompt = _encode(debug_target, "Hi")
+    a round of ``size`` (drafts accepted or rejected). Returns (chi2 of their joint frequency
+    against the target's p(t1) p(t2|t1), 9 cells; the rounds' accepted counts)."""
+    prompt = _encode(target, "Hi")
     params = SamplingParams(temperature=1.0, top_k=3)
     with torch.inference_mode():
-        first = torch.topk(debug_target.model(torch.tensor([prompt])).logits[0, -1], 3)
+        first = torch.topk(target.model(torch.tensor([prompt])).logits[0, -1], 3)
         p1 = dict(zip(first.indices.tolist(), first.values.softmax(-1).tolist()))
         exact = {}
         for t1, w1 in p1.items():
-            second = torch.topk(debug_target.model(torch.tensor([prompt + [t1]])).logits[0, -1], 3)
+            second = torch.topk(target.model(torch.tensor([prompt + [t1]])).logits[0, -1], 3)
             for t2, w2 in zip(second.indices.tolist(), second.values.softmax(-1).tolist()):
                 exact[(t1, t2)] = w1 * w2
     # a draft vocabulary of the target's candidates, so drafts are sometimes accepted (1st and 2nd)
-    drafter = _drafter(debug_target, torch.tensor(sorted({t for pair in exact for t in pair})), seed=2)
-    worker = _worker(debug_target, drafter, k=2, slots=8)
+    worker = make_worker(_drafter(target, torch.tensor(sorted({t for pair in exact for t in pair})), seed=2))
     counts: dict[tuple[int, int], int] = {}
-    accepted = [0, 0]  # rounds that accepted d1, and d1 and d2
+    accepted = []
     for batch in range(128):
-        tokens, rounds = _generate(worker, [prompt] * 8, 2, params, seed=batch * 8)
-        for r in rounds[0].accepted:
-            accepted[0], accepted[1] = accepted[0] + (r >= 1), accepted[1] + (r >= 2)
+        tokens, rounds = _generate(worker, [prompt] * 8, 2, params, seed=batch * 8, size=size)
+        accepted += rounds[0].accepted
         for t in tokens:
             counts[tuple(t)] = counts.get(tuple(t), 0) + 1
     n = sum(counts.values())
     assert set(counts) <= set(exact)
-    # 9 cells, 8 degrees of freedom: p = 0.001. A q that claims less than the drafts were drawn
-    # from (accepting too often) gives chi2 > 100 here.
-    chi2 = sum((counts.get(c, 0) - n * p) ** 2 / (n * p) for c, p in exact.items())
-    assert chi2 < 26.1, (chi2, counts)
-    assert accepted[0] > 0.05 * n and accepted[1] > 0  # both branches ran, at both chain depths
+    return sum((counts.get(c, 0) - n * p) ** 2 / (n * p) for c, p in exact.items()), accepted
+
+
+# 9 cells, 8 degrees of freedom: p = 0.001. A q that claims less than the drafts were drawn from
+# (accepting too often) gives chi2 > 100 here.
+CHI2_8_P001 = 26.1
+
+
+def test_sampled_rounds_keep_the_targets_distribution(debug_target, one_thread):
+    chi2, accepted = _two_sampled_tokens(debug_target, lambda drafter: _worker(debug_target, drafter, k=2, slots=8), 2)
+    assert chi2 < CHI2_8_P001, chi2
+    assert sum(r >= 1 for r in accepted) > 0.05 * len(accepted) and max(accepted) == 2  # both chain depths ran
 
 
 # -- EAGLE-2 dynamic trees (serving/workers/eagle3_tree.py) --------------------------------------------
@@ -323,3 +329,11 @@ def test_tree_plain_steps_stay_lossless(debug_target):
     for slot, (prompt, got) in enumerate(zip(prompts, tokens)):
         assert _to_eos(debug_target, got) == _hf_greedy(debug_target, prompt, 6)
         _assert_drafter_state_equals_a_fresh_prefill(debug_target, drafter, worker, slot, prompt + got)
+
+
+def test_tree_sampled_rounds_keep_the_targets_distribution(debug_target, one_thread):
+    """Trees of 4 nodes (top-2 children, depth 2): the anchor's two children, one grandchild each."""
+    chi2, accepted = _two_sampled_tokens(debug_target, lambda drafter: _tree_worker(
+        debug_target, drafter, slots=8, num_speculative_tokens=2, top_k=2, max_nodes=4), 4)
+    assert chi2 < CHI2_8_P001, chi2
+    assert sum(r >= 1 for r in accepted) > 0.05 * len(accepted)  # rounds accepted a child of the anchor
