@@ -60,24 +60,26 @@ class Eagle3TreeWorker(Eagle3Worker):
         top_k = DEFAULT_TOP_K if top_k is None else top_k
         max_nodes = DEFAULT_MAX_NODES if max_nodes is None else max_nodes
         draft_vocab = drafter.config.draft_vocab_size or drafter.config.vocab_size
-        for name, value, high in (("top_k", top_k, draft_vocab), ("max_nodes", max_nodes, None)):
-            if value < 1 or (high is not None and value > high):
-                raise ValueError(f"{name} must be in [1, {high or 'inf'}] (the draft vocabulary bounds top_k), got {value}")
-        self.depth, self.top_k = depth, top_k  # read by _scratch_rows while the base class builds the cache
+        if not 1 <= top_k <= draft_vocab:
+            raise ValueError(f"top_k must be in [1, {draft_vocab}] (the drafter's vocabulary), got {top_k}")
+        if max_nodes < 1:
+            raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
+        # the depth cap (the engine's chooser reads it) and the width, before the base class sizes its cache
+        self.max_depth, self.top_k = depth, top_k
         super().__init__(runner, drafter, num_speculative_tokens=depth)
         cap = min(max_nodes, top_k + (depth - 1) * top_k**2)  # a full-width tree's nodes
         self.verify_sizes = tuple(sorted({s for s in NODE_BUDGETS if s <= cap} | {cap}))
 
     def _scratch_rows(self) -> int:
         """Drafter rows past the committed ones a round writes beyond the target's verify rows."""
-        return (self.depth - 1) * self.top_k
+        return (self.max_depth - 1) * self.top_k
 
     @torch.inference_mode()
     def draft_tree(self, slots: list[int], params, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Expand the tree for a budget of ``size`` (module docstring); returns every generated
         node's (target token, parent node or −1, cumulative draft log-probability), each [B, N],
         in generation order: depth by depth, a depth's nodes by frontier row then child rank."""
-        w, depth = min(self.top_k, size), min(self.depth, size)
+        w, depth = min(self.top_k, size), min(self.max_depth, size)
         slot_t = torch.tensor(slots)
         committed = self.cache.committed[slot_t]  # [B]
         B, D = len(slots), self.state.shape[-1]
