@@ -64,6 +64,9 @@ class ReplicaSpec:
     api_key: str | None
     num_speculative_tokens: int | None = None
     max_speculative_batch: int | None = None
+    speculation: str = "auto"
+    tree: bool = False
+    cost_table: str | None = None  # absolute
     limits: HttpLimits = field(default_factory=HttpLimits)  # the config's http.limits
 
 
@@ -85,7 +88,9 @@ def replica_spec(cfg: ServeJobConfig, api_key: str | None) -> ReplicaSpec:
         cache_dir=str(Path(cfg.registry.cache_dir or cfg.run_dir / "drafter-cache").resolve()),
         num_threads=cfg.engine.num_threads, api_key=api_key,
         num_speculative_tokens=cfg.engine.num_speculative_tokens,
-        max_speculative_batch=cfg.engine.max_speculative_batch, limits=cfg.http.limits,
+        max_speculative_batch=cfg.engine.max_speculative_batch, speculation=cfg.engine.speculation,
+        tree=cfg.engine.tree, cost_table=str(Path(cfg.engine.cost_table).resolve()) if cfg.engine.cost_table else None,
+        limits=cfg.http.limits,
     )
 
 
@@ -102,7 +107,8 @@ class SpecrayReplica:
         target = load_target(spec.target, dtype=spec.dtype, device=spec.device)
         self.engine = Engine(target, spec.drafter_dir, max_batch=spec.max_batch, max_len=spec.max_len,
                              num_speculative_tokens=spec.num_speculative_tokens,
-                             max_speculative_batch=spec.max_speculative_batch)
+                             max_speculative_batch=spec.max_speculative_batch, speculation=spec.speculation,
+                             tree=spec.tree, cost_table=spec.cost_table)
         self.loop = EngineLoop(self.engine).start()
         self.poller = None
         if spec.registry_uri:

@@ -5,6 +5,7 @@
     specray export runs/train-dflash-quickstart [--out DIR] [--format speculators [--target NAME]]
     specray evaluate EXPORT_DIR --manifest runs/<held-out capture>/manifest.parquet [objective.field=value …]
     specray generate --drafter EXPORT_DIR --prompt "…" [--max-tokens 128] [--temperature 0]
+    specray profile --out cost.json [--target NAME] [--force]   (the round-cost table of this machine)
     specray regenerate --out data/self.jsonl --num 256   (self-distilled training conversations)
     specray pipeline run manifests/quickstart.yaml [section.field=value …]   (capture → … → bench on Ray)
     specray serve -c manifests/serve.yaml [section.field=value …]   (OpenAI API on Ray Serve, until Ctrl-C)
@@ -98,8 +99,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
-    engine = Engine(load_target(args.target), args.drafter, max_batch=max(1, len(args.prompt)), max_len=args.max_len,
-                    num_speculative_tokens=args.num_speculative_tokens, max_speculative_batch=args.max_speculative_batch)
+    engine = Engine(load_target(args.target, dtype=args.dtype), args.drafter, max_batch=max(1, len(args.prompt)),
+                    max_len=args.max_len, **_speculation_options(args))
     start = time.perf_counter()
     outputs = engine.generate(args.prompt, params)
     seconds = time.perf_counter() - start
@@ -107,7 +108,49 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(out.text)
         print(f"-- {len(out.token_ids)} tokens, finish={out.finish_reason}, tau={out.tau:.2f}, rounds={out.rounds}")
     tokens = sum(len(o.token_ids) for o in outputs)
-    print(f"-- {tokens / seconds:.1f} tokens/s ({'DFlash ' + args.drafter if args.drafter else 'autoregressive'})")
+    mode = f"{engine.versions.active.algorithm} {args.drafter}" if args.drafter else "autoregressive"
+    print(f"-- {tokens / seconds:.1f} tokens/s ({mode})")
+    return 0
+
+
+def _speculation_options(args: argparse.Namespace) -> dict:
+    """The Engine options of ``_add_speculation_args``."""
+    return {"num_speculative_tokens": args.num_speculative_tokens, "max_speculative_batch": args.max_speculative_batch,
+            "speculation": args.speculation, "tree": args.tree, "cost_table": args.cost_table}
+
+
+def _add_speculation_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the target's weights (greedy output is lossless against the target in this dtype)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="the largest round: drafts verified (a chain) or tree depth (default: the worker's, "
+                             "e.g. DFlash's block size - 1)")
+    parser.add_argument("--speculation", choices=["auto", "static"], default="auto",
+                        help="auto: each round's size from the cost table and measured acceptance (0 = a plain "
+                             "step when no round pays); static: always the largest")
+    parser.add_argument("--max-speculative-batch", type=int, default=None,
+                        help="an upper bound: a larger batch takes plain steps (default: none)")
+    parser.add_argument("--tree", action="store_true", help="draft trees (EAGLE-2 dynamic trees for EAGLE-3)")
+    parser.add_argument("--cost-table", default=None,
+                        help="a table from `specray profile` (default: measured when the drafter is loaded)")
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from specray.capture.target import load_target
+    from specray.serving.cost_table import profile, table_summary
+
+    target = load_target(args.target, dtype=args.dtype)
+
+    def progress(done: int, total: int) -> None:
+        print(f"\rprofile    {done}/{total} forwards timed", end="", flush=True)
+
+    table = profile(target, batch_sizes=tuple(args.batch_sizes), rows=tuple(args.rows),
+                    context_tokens=args.context_tokens, repeats=args.repeats, progress=progress)
+    print()
+    table.save(args.out, force=args.force)
+    print(table_summary(table))
+    print(f"wrote {args.out} (ms per forward over {table.context_tokens} context tokens, "
+          f"{table.machine.cpu}, {table.machine.threads} threads, {table.machine.dtype})")
     return 0
 
 
@@ -216,12 +259,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from specray.pipeline.config import TrainJobConfig
 
     if args.benchmark == "serve":
-        result = bench.bench_serve(target_name=args.target, drafter_dir=args.drafter, dataset=args.dataset,
+        from specray.pipeline import serve_bench
+
+        result = serve_bench.bench_serve(target_name=args.target, drafter_dir=args.drafter, dataset=args.dataset,
                                    num_prompts=args.num_prompts, max_tokens=args.max_tokens,
                                    batch_sizes=tuple(args.batch_sizes), png=args.png, repeats=args.repeats,
-                                   vllm=not args.no_vllm, num_speculative_tokens=args.num_speculative_tokens,
-                                   max_speculative_batch=args.max_speculative_batch)
-        table = bench.serve_table(result)
+                                   vllm=not args.no_vllm, dtype=args.dtype, static_sizes=tuple(args.static_sizes),
+                                   **_speculation_options(args))
+        table = serve_bench.serve_table(result)
     elif args.benchmark == "load":
         from specray.pipeline.load_bench import LoadBenchOptions, bench_load, load_table
 
@@ -294,12 +339,23 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=0)
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--max-len", type=int, default=2048, help="KV capacity per request")
-    generate.add_argument("--num-speculative-tokens", type=int, default=None,
-                          help="at most this many drafts verified per round (default: the drafter's block size - 1)")
-    generate.add_argument("--max-speculative-batch", type=int, default=None,
-                          help="speculate only while at most this many requests run together; larger batches take "
-                               "plain steps (default: always speculate)")
+    _add_speculation_args(generate)
     generate.set_defaults(fn=_cmd_generate)
+
+    from specray.serving.cost_table import DEFAULT_BATCH_SIZES, DEFAULT_CONTEXT_TOKENS, DEFAULT_ROWS
+
+    prof = sub.add_parser("profile", help="measure the target's forward time by batch size and rows (the cost table "
+                                          "the engine sizes speculative rounds with)")
+    prof.add_argument("--out", required=True, help="the cost table (JSON) to write")
+    prof.add_argument("--target", default=DEFAULT_TARGET)
+    prof.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    prof.add_argument("--batch-sizes", type=int, nargs="+", default=list(DEFAULT_BATCH_SIZES))
+    prof.add_argument("--rows", type=int, nargs="+", default=list(DEFAULT_ROWS), help="rows per request")
+    prof.add_argument("--context-tokens", type=int, default=DEFAULT_CONTEXT_TOKENS,
+                      help="committed tokens per request while timing")
+    prof.add_argument("--repeats", type=int, default=5, help="timings per entry (median)")
+    prof.add_argument("--force", action="store_true", help="replace a table from another machine description")
+    prof.set_defaults(fn=_cmd_profile)
 
     pipeline = sub.add_parser("pipeline", help="the whole pipeline on Ray: capture, train, export, serve, bench")
     pipeline_sub = pipeline.add_subparsers(dest="action", required=True)
@@ -363,11 +419,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_argument("--png", default=None, help="acceptance-by-position plot")
     bench_serve.add_argument("--repeats", type=int, default=1, help="timed passes per system (median; order alternates)")
     bench_serve.add_argument("--no-vllm", action="store_true", help="skip the vLLM runs even when vllm is importable")
-    bench_serve.add_argument("--num-speculative-tokens", type=int, default=None,
-                             help="at most this many drafts verified per round (default: the drafter's block size - 1)")
-    bench_serve.add_argument("--max-speculative-batch", type=int, default=None,
-                             help="speculate only while at most this many requests run together; larger batches take "
-                               "plain steps (default: always speculate)")
+    _add_speculation_args(bench_serve)
+    bench_serve.add_argument("--static-sizes", type=int, nargs="*", default=[],
+                             help="also time the drafter at these fixed round sizes (specray-drafter-kN), to compare "
+                                  "the automatic choice with a sweep")
     bench_serve.set_defaults(fn=_cmd_bench, config=None, overrides=[])
     bench_train = bench_sub.add_parser("train", help="training tokens/s and step time split")
     bench_train.add_argument("--json", help="write the result here")

@@ -388,11 +388,19 @@ class ServeEngineSection(Section):
         None, description="an export dir to start with (None = autoregressive until the registry has a version)",
     )
     num_threads: int | None = Field(None, gt=0, description="torch intra-op threads per replica (None = torch's default)")
-    num_speculative_tokens: int | None = Field(None, gt=0, description="at most this many drafts verified per round "
-                                                                       "(None = the drafter's block size - 1)")
+    num_speculative_tokens: int | None = Field(
+        None, gt=0, description="the largest round: drafts verified (a chain) or tree depth (None = the worker's "
+                                "default, e.g. DFlash's block size - 1)")
+    speculation: Literal["auto", "static"] = Field(
+        "auto", description="auto: each round's size from the cost table and the drafter's measured acceptance, a "
+                            "plain step when no round pays; static: always the largest round")
     max_speculative_batch: int | None = Field(
-        None, ge=0, description="speculate only while at most this many requests run together; larger batches take "
-                                "plain steps, one target row each (None = always speculate)")
+        None, ge=0, description="an upper bound: a batch of more requests takes plain steps, one target row each "
+                                "(None = no bound; the chooser decides)")
+    tree: bool = Field(False, description="draft trees (EAGLE-2 dynamic trees; EAGLE-3 drafters)")
+    cost_table: str | None = Field(
+        None, description="a cost table from `specray profile` on this machine (None = each replica measures one "
+                          "when its first drafter loads)")
 
 
 class RegistrySection(Section):

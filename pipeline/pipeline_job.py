@@ -270,21 +270,26 @@ def _train_summary(cfg: PipelineConfig, result) -> dict:
 
 
 def _bench(cfg: PipelineConfig, report: PipelineReport) -> None:
-    from specray.pipeline.bench import bench_serve, write_json
+    from specray.pipeline.bench import write_json
+    from specray.pipeline.serve_bench import bench_serve
 
     b = cfg.bench
     result = bench_serve(target_name=cfg.target.name, drafter_dir=report.drafter_dir, dataset=b.dataset,
                          num_prompts=b.num_prompts, max_tokens=b.max_tokens, batch_sizes=tuple(b.batch_sizes),
                          png=str(cfg.run_dir / "acceptance.png"), transformers=False, vllm=False,
                          num_speculative_tokens=cfg.serve.engine.num_speculative_tokens,  # what serving runs
-                         max_speculative_batch=cfg.serve.engine.max_speculative_batch)
+                         max_speculative_batch=cfg.serve.engine.max_speculative_batch,
+                         speculation=cfg.serve.engine.speculation, tree=cfg.serve.engine.tree,
+                         cost_table=cfg.serve.engine.cost_table)
     write_json(result, str(cfg.run_dir / "bench.json"))
     report.tau, report.speedup_vs_ar = result.get("tau"), result.get("speedup_vs_ar")
     report.bench = {"json": str((cfg.run_dir / "bench.json").resolve()), "greedy_match": result.get("greedy_match"),
                     "tokens_per_s": {f"{r['system']}@{r['batch_size']}": round(r["tokens_per_s"], 2) for r in result["runs"]},
                     "accept_rate_by_pos": result.get("accept_rate_by_pos"),
                     "num_speculative_tokens": result.get("num_speculative_tokens"),
-                    "max_speculative_batch": result.get("max_speculative_batch")}
+                    "max_speculative_batch": result.get("max_speculative_batch"),
+                    "speculation": result.get("speculation"),
+                    "rounds": {f"{r['system']}@{r['batch_size']}": r["rounds"] for r in result["runs"] if r.get("rounds")}}
 
 
 def _train_online(cfg: PipelineConfig, report: PipelineReport, progress: bool) -> str:

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from specray.capture.target import Target
+from specray.serving.cost_table import CostTable, describe_machine
 from specray.serving.requests import (GenerationOutput, Request, RequestHandle, StreamDelta, check_prompt,
                                       encode_prompt)
 from specray.serving.runner import LlamaRunner
@@ -64,21 +65,30 @@ class QueueFullError(RuntimeError):
 class Engine:
     def __init__(self, target: Target, drafter_dir: str | None = None, *, max_batch: int = 4, max_len: int = 2048,
                  drafter_version: int = 0, num_speculative_tokens: int | None = None,
-                 max_speculative_batch: int | None = None, max_waiting: int | None = 256):
-        """``num_speculative_tokens``: at most this many drafts are verified per round (None = the
-        worker's default, e.g. DFlash's whole block; each worker clamps it to what its drafter can
-        propose). ``max_speculative_batch``: a drafter's requests speculate only while at most this
-        many of them run together; a larger batch takes plain steps (None = always speculate).
-        Both apply to every drafter version this engine loads. ``max_waiting``: requests that may
-        wait for a slot (None = unbounded, for offline batch jobs that queue everything)."""
+                 max_speculative_batch: int | None = None, speculation: str = "auto", tree: bool = False,
+                 cost_table: str | Path | CostTable | None = None, max_waiting: int | None = 256):
+        """``num_speculative_tokens``: the largest round — at most this many drafts (a chain) or
+        tree depth (a tree) per round (None = the worker's default, e.g. DFlash's whole block;
+        each worker clamps it to what its drafter can propose). ``speculation``: "auto" (each
+        round's size is chosen from the cost table and measured acceptance, ``serving/chooser.py``;
+        0 = a plain step when no round pays) or "static" (always the largest). ``max_speculative_batch``:
+        an upper bound — a group of more requests of one drafter version takes plain steps (None =
+        no bound). ``tree``: draft trees with the algorithm's tree worker. ``cost_table``: a table
+        from ``specray profile`` (a path or a ``CostTable``; checked against this machine), or None
+        to measure one when the first drafter is loaded. All apply to every drafter version this
+        engine loads. ``max_waiting``: requests that may wait for a slot (None = unbounded, for
+        offline batch jobs that queue everything)."""
         if num_speculative_tokens is not None and num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1 (or None for the drafter's block), "
                              f"got {num_speculative_tokens}")
         if max_speculative_batch is not None and max_speculative_batch < 0:
-            raise ValueError(f"max_speculative_batch must be >= 0 (0 = never speculate; None = always), "
+            raise ValueError(f"max_speculative_batch must be >= 0 (0 = never speculate; None = no bound), "
                              f"got {max_speculative_batch}")
         if max_waiting is not None and max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1 (or None for an unbounded queue), got {max_waiting}")
+        if isinstance(cost_table, (str, Path)):
+            source, cost_table = str(cost_table), CostTable.load(cost_table)
+            cost_table.check_machine(describe_machine(target), source)
         self.target = target
         self.tokenizer = target.tokenizer
         self.max_len, self.max_waiting = max_len, max_waiting
@@ -94,7 +104,8 @@ class Engine:
         self._served = self._aborted = self._failed = self._tokens = 0
         self.versions = DrafterVersions(target, self.runner, self._lock, self._work.notify_all,
                                         num_speculative_tokens=num_speculative_tokens,
-                                        max_speculative_batch=max_speculative_batch)
+                                        max_speculative_batch=max_speculative_batch, speculation=speculation,
+                                        tree=tree, cost_table=cost_table)
         self.versions.install(self.versions.build_ar() if drafter_dir is None
                               else self.versions.build(drafter_dir, drafter_version))
 
@@ -269,15 +280,19 @@ class Engine:
         return emitted
 
     def _round(self, version: DrafterVersion, group: list[Request]) -> int:
-        """One worker step for ``group``; counts each request's round up to its stop. Returns tokens emitted."""
+        """One worker step for ``group``, sized by the version's chooser; counts each request's
+        round up to its stop. Returns tokens emitted."""
+        size = version.chooser.choose(len(group)) if version.chooser else 0
+        start = time.perf_counter()
         try:
             out = version.worker.step([r.slot for r in group], [r.anchor for r in group],
-                                      [r.params for r in group], [r.generator for r in group])
+                                      [r.params for r in group], [r.generator for r in group], size)
         except Exception as e:  # noqa: BLE001 - the group's state is unknown: fail its requests, serve the rest
             log.exception("worker round failed; failing its %d requests", len(group))
             self._fail(group, e)
             return 0
-        emitted = 0
+        seconds = time.perf_counter() - start
+        emitted, drafts, accepted_ok = 0, [], []
         for b, r in enumerate(group):
             if out.errors[b] is not None:
                 r.error = out.errors[b]
@@ -287,10 +302,14 @@ class Engine:
             emitted += len(r.tokens) - before
             accepted = min(out.accepted[b], used - 1)  # the round as if it had ended at the stop
             r.emitted.append(accepted + 1)
+            drafts.append(out.num_drafts[b])
+            accepted_ok.append(out.accepted[b])
             if out.speculative:
                 version.stats.add(out.num_drafts[b], accepted)
             else:
                 version.stats.plain_steps += 1
+        if version.chooser:
+            version.chooser.record(len(group), size, seconds, drafts, accepted_ok, emitted)
         return emitted
 
     @staticmethod

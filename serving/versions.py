@@ -9,6 +9,10 @@ requests that is no longer active is dropped. The runner captures the union of t
 layers the live drafters read. A load that fails (``InvalidDrafterError``: another target, a
 checksum mismatch, weights that do not fit) is recorded in ``rejected`` and the active version
 keeps serving.
+
+Each speculative version has its own ``RoundChooser`` (``serving/chooser.py``), which sizes its
+rounds from the engine's cost table (read from a file, or measured on a twin of the runner the
+first time a speculative version is built) and the version's own acceptance.
 """
 
 from __future__ import annotations
@@ -24,8 +28,13 @@ from torch import nn
 
 from specray.capture.target import Target
 from specray.drafters.format import InvalidDrafterError, load_drafter, read_drafter_config
+from specray.serving.chooser import RoundChooser
+from specray.serving.cost_table import CostTable, describe_machine, engine_grid, profile_runner
 from specray.serving.runner import LlamaRunner
-from specray.serving.workers import WORKERS, ARWorker, Worker
+from specray.serving.workers import TREE_WORKERS, WORKERS, ARWorker, Worker
+
+SPECULATION_MODES = ("auto", "static")
+_MEASURED: dict[tuple, CostTable] = {}  # tables engines of this process measured, by (machine, grid)
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +47,7 @@ class RoundStats:
 
     rounds: int = 0
     emitted: int = 0  # sum over rounds of r + 1
-    plain_steps: int = 0  # request-steps that did not speculate (a batch above max_speculative_batch)
+    plain_steps: int = 0  # request-steps that did not speculate (rounds the chooser sized 0)
     accepted: list[int] = field(default_factory=list)  # [max drafts verified]
 
     def add(self, num_drafts: int, accepted: int) -> None:
@@ -77,6 +86,7 @@ class DrafterVersion:
     layer_ids: tuple[int, ...] = ()  # target layers the drafter reads
     live: int = 0  # submitted requests bound to it that have not finished
     stats: RoundStats = field(default_factory=RoundStats)
+    chooser: RoundChooser | None = None  # None: plain autoregressive
 
     @property
     def algorithm(self) -> str:
@@ -88,11 +98,20 @@ class DrafterVersions:
     wakes the engine's loop when a version is staged."""
 
     def __init__(self, target: Target, runner: LlamaRunner, lock: threading.RLock, notify: Callable[[], None], *,
-                 num_speculative_tokens: int | None, max_speculative_batch: int | None):
+                 num_speculative_tokens: int | None = None, max_speculative_batch: int | None = None,
+                 speculation: str = "auto", tree: bool = False, cost_table: CostTable | None = None):
+        """``speculation``: "auto" (the chooser sizes every round) or "static" (every round of a
+        group of at most ``max_speculative_batch`` requests verifies the largest size);
+        ``tree``: build the algorithm's tree worker (``TREE_WORKERS``) instead of its chain;
+        ``cost_table``: the forward costs (None: measured when the first speculative version is built)."""
+        if speculation not in SPECULATION_MODES:
+            raise ValueError(f"speculation must be one of {SPECULATION_MODES}, got {speculation!r}")
         self.target, self.runner = target, runner
         self._lock, self._notify = lock, notify
-        self._worker_options = {"num_speculative_tokens": num_speculative_tokens,
-                                "max_speculative_batch": max_speculative_batch}
+        self._num_speculative_tokens, self._max_speculative_batch = num_speculative_tokens, max_speculative_batch
+        self._speculation, self._tree = speculation, tree
+        self.cost_table = cost_table
+        self._table_lock = threading.Lock()
         self.staged: list[DrafterVersion] = []
         self.rejected: dict[int, str] = {}
         self.history: dict[int | None, RoundStats] = {}  # round stats of every version that was active
@@ -113,11 +132,33 @@ class DrafterVersions:
         if any(not 0 <= i < self.target.num_layers for i in layer_ids):
             raise InvalidDrafterError(f"{drafter_dir}: target_layer_ids {layer_ids} outside the target's "
                                       f"0..{self.target.num_layers - 1}")
-        if drafter.algorithm not in WORKERS:
-            raise InvalidDrafterError(f"{drafter_dir}: no serving worker for algorithm {drafter.algorithm!r}; "
-                                      f"registered: {sorted(WORKERS)}")
-        worker = WORKERS[drafter.algorithm](_DrafterRunner(self.runner, layer_ids), drafter, **self._worker_options)
-        return DrafterVersion(version, worker, drafter, layer_ids)
+        workers = TREE_WORKERS if self._tree else WORKERS
+        if drafter.algorithm not in workers:
+            kind = "draft-tree worker" if self._tree else "serving worker"
+            raise InvalidDrafterError(f"{drafter_dir}: no {kind} for algorithm {drafter.algorithm!r}; "
+                                      f"registered: {sorted(workers)}")
+        worker = workers[drafter.algorithm](_DrafterRunner(self.runner, layer_ids), drafter,
+                                            num_speculative_tokens=self._num_speculative_tokens)
+        return DrafterVersion(version, worker, drafter, layer_ids, chooser=self._chooser(worker))
+
+    def _chooser(self, worker: Worker) -> RoundChooser:
+        return RoundChooser(self._table(worker.max_verify_rows), worker.verify_sizes, worker.verify_layout,
+                            depth=getattr(worker, "max_depth", None), max_speculative_batch=self._max_speculative_batch,
+                            static=self._speculation == "static")
+
+    def _table(self, max_rows: int) -> CostTable:
+        """The engine's cost table; when none was given, measured once per process and shape on a
+        twin of the runner (its weights, its own small KV cache). Past its rows it extrapolates."""
+        with self._table_lock:
+            if self.cost_table is None:
+                machine = describe_machine(self.target)
+                batches, rows = engine_grid(self.runner.cache.num_slots, max_rows)
+                key = (machine, batches, rows)
+                if key not in _MEASURED:
+                    log.info("measuring the round-cost table (batch sizes %s, rows %s)", batches, rows)
+                    _MEASURED[key] = profile_runner(self.runner, machine, batch_sizes=batches, rows=rows, repeats=3)
+                self.cost_table = _MEASURED[key]
+            return self.cost_table
 
     def load(self, drafter_dir: str | Path, version: int) -> Future:
         """Validate and build ``version`` in a background thread; ``activate_staged`` activates it.
@@ -174,5 +215,6 @@ class DrafterVersions:
                 "tau": active["tau"],
                 "acceptance_by_position": active["acceptance_by_position"],
                 "worker": self.active.worker.stats(),
+                "chooser": self.active.chooser.summary() if self.active.chooser else None,
                 "versions": [{"version": v, **s.summary()} for v, s in self.history.items()],
             }

@@ -1,7 +1,8 @@
 """Speculative workers, one per algorithm, behind ``WORKERS`` (plus the plain AR worker).
 
 Every worker follows the protocol in ``serving/workers/base.py``; a speculative one is built as
-``WORKERS[algorithm](runner, drafter, num_speculative_tokens=..., max_speculative_batch=...)``."""
+``WORKERS[algorithm](runner, drafter, num_speculative_tokens=...)``, and an algorithm that drafts
+trees registers that worker in ``TREE_WORKERS`` (the engine's ``tree=True``)."""
 
 from specray.serving.workers.ar import ARWorker
 from specray.serving.workers.base import StepOutput, Worker
@@ -9,5 +10,6 @@ from specray.serving.workers.dflash import DFlashWorker
 from specray.serving.workers.eagle3 import Eagle3Worker
 
 WORKERS = {"dflash": DFlashWorker, "eagle3": Eagle3Worker}
+TREE_WORKERS: dict[str, type] = {}
 
-__all__ = ["ARWorker", "DFlashWorker", "StepOutput", "WORKERS", "Worker"]
+__all__ = ["ARWorker", "DFlashWorker", "StepOutput", "TREE_WORKERS", "WORKERS", "Worker"]

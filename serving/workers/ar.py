@@ -38,6 +38,8 @@ class ARWorker:
     with no drafts (one token, tau 1)."""
 
     max_verify_rows = 1
+    verify_sizes: tuple[int, ...] = ()
+    verify_layout = "chain"
 
     def __init__(self, runner: LlamaRunner):
         self.runner = runner
@@ -46,7 +48,9 @@ class ARWorker:
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
         return prefill_target(self.runner, slots, prompts)[0]
 
-    def step(self, slots: list[int], anchors: list[int], params, generators) -> StepOutput:
+    def step(self, slots: list[int], anchors: list[int], params, generators, size: int = 0) -> StepOutput:
+        if size:
+            raise ValueError(f"the AR worker runs no speculative rounds (size {size})")
         start = time.perf_counter()
         tokens, errors, _ = ar_step(self.runner, slots, anchors, params, generators)
         self.steps, self.seconds = self.steps + 1, self.seconds + time.perf_counter() - start

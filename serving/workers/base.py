@@ -4,17 +4,22 @@ The engine (``serving/engine.py``) owns requests, KV slots, stops, streaming and
 versions; a worker owns one algorithm's drafter, its draft caches and its round
 (propose → verify → accept → commit). The engine reads nothing of a worker but this protocol.
 
-A speculative worker is registered in ``serving/workers/__init__.py`` under its algorithm and
-built by the engine with one signature (it clamps and validates ``num_speculative_tokens``
-itself, e.g. to its drafter's block; ``None`` means its own default):
+A speculative worker is registered in ``serving/workers/__init__.py`` under its algorithm (a
+tree worker in ``TREE_WORKERS``) and built by the engine with one signature (it clamps and
+validates ``num_speculative_tokens`` itself, e.g. to its drafter's block; ``None`` means its own
+default):
 
-    worker = WORKERS[drafter.algorithm](runner, drafter, num_speculative_tokens=k, max_speculative_batch=b)
+    worker = WORKERS[drafter.algorithm](runner, drafter, num_speculative_tokens=k)
 
-How the engine drives it, for two requests in KV slots 0 and 1 (``serving/engine.py``):
+The worker says which round sizes it can run (``verify_sizes``: drafts per request for a chain,
+node budgets for a tree) and the engine's chooser (``serving/chooser.py``) picks one per round
+from the measured cost table and acceptance; size 0 is a plain step. How the engine drives it,
+for two requests in KV slots 0 and 1 (``serving/engine.py``):
 
     logits = worker.prefill([0, 1], [prompt_a, prompt_b])   # [2, V]: each prompt's last row
     anchors = [sample_next(logits[0], params_a, gen_a), sample_next(logits[1], params_b, gen_b)]
-    out = worker.step([0, 1], anchors, [params_a, params_b], [gen_a, gen_b])
+    size = chooser.choose(2)                                 # 0 or one of worker.verify_sizes
+    out = worker.step([0, 1], anchors, [params_a, params_b], [gen_a, gen_b], size)
     out.tokens[0]      # [d1 .. dr, x*] emitted for request 0; x* is its next anchor (no KV yet)
     out.accepted[0]    # r, of out.num_drafts[0] drafts verified
     worker.release(0)  # request 0 finished: forget its draft state (the engine frees the target slot)
@@ -39,7 +44,7 @@ class StepOutput:
     ``num_drafts[b]`` draft positions verified, and ``tokens[b] = [d1 .. dr, x*]`` (``r + 1``
     tokens, x* the correction or bonus); the engine counts it in tau and acceptance by position.
     A *plain* step (``speculative=False``) is one a speculative worker takes instead of a round
-    (e.g. above ``max_speculative_batch``): one target row and one token per request, no drafts;
+    (``size`` 0: the chooser found no round that pays): one target row and one token per request, no drafts;
     the engine counts it apart. The AR worker's steps are its rounds, with no drafts (tau 1).
     For a tree, ``num_drafts`` is the tree's depth (the most drafts one path can accept) and
     ``accepted`` the accepted path's length. A request that failed alone (non-finite logits,
@@ -69,10 +74,17 @@ class Worker(Protocol):
     (its draft caches) from ``prefill`` until ``release``. Chain workers verify with
     ``serving/verify.py::accept_chains`` (one ``rejection_sample`` call for the batch)."""
 
+    verify_sizes: tuple[int, ...]
+    """The round sizes ``step`` runs, ascending, each >= 1: drafts verified per request (a chain)
+    or draft-tree nodes besides the anchor (a tree); () for AR."""
+
+    verify_layout: str
+    """"chain" or "tree": how the chooser models acceptance (per position, or per node budget)."""
+
     @property
     def max_verify_rows(self) -> int:
-        """Target rows one round may write per request (anchor + drafts; 1 for AR). The engine
-        admits a request only if prompt + max_tokens + this fits its KV (capacity planning)."""
+        """Target rows one round may write per request (``1 + verify_sizes[-1]``; 1 for AR). The
+        engine admits a request only if prompt + max_tokens + this fits its KV (capacity planning)."""
         ...
 
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
@@ -81,10 +93,11 @@ class Worker(Protocol):
         first token — the first anchor."""
         ...
 
-    def step(self, slots: list[int], anchors: list[int], params: list, generators: list) -> StepOutput:
-        """One round for every request: ``anchors[b]`` is request b's last emitted token (no KV
-        yet), ``params[b]`` its ``SamplingParams``, ``generators[b]`` its ``torch.Generator``.
-        Commits the rows of the emitted prefix (``[a, d1 .. dr]``) in every cache."""
+    def step(self, slots: list[int], anchors: list[int], params: list, generators: list, size: int) -> StepOutput:
+        """One round of ``size`` for every request (0: a plain step): ``anchors[b]`` is request
+        b's last emitted token (no KV yet), ``params[b]`` its ``SamplingParams``, ``generators[b]``
+        its ``torch.Generator``. Commits the rows of the emitted prefix (``[a, d1 .. dr]``) in
+        every cache."""
         ...
 
     def release(self, slot: int) -> None:

@@ -32,32 +32,30 @@ from specray.serving.workers.base import StepOutput
 class DFlashWorker:
     """The worker protocol (``serving/workers/base.py``) for DFlash.
 
-    ``num_speculative_tokens`` (k, clamped to m = B − 1; None = m) caps the drafts verified per
-    round. The drafter still feeds its whole block of B rows to attention (its positions attend
-    to each other), but only rows 1 … k go through its last layer's queries and MLP, the LM head
-    and the target: when acceptance falls off after a few positions (docs/benchmarks.md: 0.26,
-    then ~0.02), verifying fewer rows makes a round cheaper and loses only what k could not accept.
+    ``num_speculative_tokens`` (clamped to m = B − 1; None = m) is the largest round: a round of
+    size k verifies k drafts. The drafter still feeds its whole block of B rows to attention (its
+    positions attend to each other), but only rows 1 … k go through its last layer's queries and
+    MLP, the LM head and the target: when acceptance falls off after a few positions
+    (docs/benchmarks.md), a smaller k makes a round cheaper and loses only what k could not accept.
+    The engine's chooser picks k per round (``serving/chooser.py``).
 
-    ``max_speculative_batch``: a step over more requests than this is a *plain* step — no draft,
-    one target row per request (the anchor), the next token sampled from it exactly as the AR
-    worker does — while both caches still commit that row, so speculation resumes as soon as the
-    batch shrinks. On a CPU whose verify rows cost compute once a batch is large, this keeps
-    large batches at AR speed (docs/benchmarks.md).
+    A round of size 0 is a *plain* step — no draft, one target row per request (the anchor), the
+    next token sampled from it exactly as the AR worker does — while both caches still commit
+    that row, so speculation resumes with the right context whenever the chooser speculates again.
     """
 
-    def __init__(self, runner: LlamaRunner, drafter: DFlashDrafter, *, num_speculative_tokens: int | None = None,
-                 max_speculative_batch: int | None = None):
+    verify_layout = "chain"
+
+    def __init__(self, runner: LlamaRunner, drafter: DFlashDrafter, *, num_speculative_tokens: int | None = None):
         cfg = drafter.config
         if tuple(runner.capture_layer_ids) != tuple(cfg.target_layer_ids):
             raise ValueError("the runner must capture the drafter's target layer ids")
         if num_speculative_tokens is not None and num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1 (or None for the drafter's block), "
                              f"got {num_speculative_tokens}")
-        if max_speculative_batch is not None and max_speculative_batch < 0:
-            raise ValueError(f"max_speculative_batch must be >= 0 (0 = never speculate), got {max_speculative_batch}")
         m = cfg.block_size - 1
-        self.num_draft_tokens = m if num_speculative_tokens is None else min(num_speculative_tokens, m)
-        self.max_speculative_batch = max_speculative_batch
+        k = m if num_speculative_tokens is None else min(num_speculative_tokens, m)
+        self.verify_sizes = tuple(range(1, k + 1))
         self.runner, self.drafter, self.cfg = runner, drafter, cfg
         cache = runner.cache
         self.context = SlotKVCache(num_layers=cfg.num_layers, num_slots=cache.num_slots, max_len=cache.max_len,
@@ -69,11 +67,7 @@ class DFlashWorker:
 
     @property
     def max_verify_rows(self) -> int:
-        return self.num_draft_tokens + 1
-
-    def speculates(self, batch: int) -> bool:
-        """Whether a step over ``batch`` requests drafts and verifies (else it is a plain step)."""
-        return self.max_speculative_batch is None or batch <= self.max_speculative_batch
+        return self.verify_sizes[-1] + 1
 
     def release(self, slot: int) -> None:
         self.context.release(slot)
@@ -100,7 +94,7 @@ class DFlashWorker:
         return logits
 
     @torch.inference_mode()
-    def propose(self, slots: list[int], anchors: list[int], params, generators):
+    def propose(self, slots: list[int], anchors: list[int], params, generators, k: int):
         """Draft k tokens per request; returns (drafts [B, k] target ids, q [k, V] or None per request).
 
         With a draft vocabulary the drafter's distribution covers V_d tokens; ``q`` is handed to
@@ -113,7 +107,7 @@ class DFlashWorker:
         positions = n[:, None] + torch.arange(self.block_size)
         valid = torch.arange(ctx_len)[None, :] < n[:, None]
         mask = block_attention_mask(n[:, None], valid, self.block_size, self.cfg.attention, self.cfg.sliding_window)
-        rows = slice(1, self.num_draft_tokens + 1)  # the drafts' rows (row 0 is the anchor)
+        rows = slice(1, k + 1)  # the drafts' rows (row 0 is the anchor)
         logits = self.drafter.logits(self.drafter.forward_block(block, positions, ctx_kv, mask, rows))  # [B, k, V|V_d]
         drafts, qs = [], []
         for b, p in enumerate(params):
@@ -126,15 +120,17 @@ class DFlashWorker:
                 qs.append(self.drafter.to_target_distribution(q))
         return self.drafter.draft_to_target(torch.stack(drafts)), qs
 
-    def step(self, slots: list[int], anchors: list[int], params, generators) -> StepOutput:
-        """One propose → verify → accept → commit round (a plain step above max_speculative_batch).
+    def step(self, slots: list[int], anchors: list[int], params, generators, size: int) -> StepOutput:
+        """One propose → verify → accept → commit round of ``size`` drafts (0: a plain step).
 
         Wall-clock time per phase accumulates in ``phase_seconds`` (what ``bench serve`` reports);
         a plain step is not a round and is not timed there."""
-        if not self.speculates(len(slots)):
+        if size == 0:
             return self._plain_step(slots, anchors, params, generators)
+        if size not in self.verify_sizes:
+            raise ValueError(f"round size {size} is not one of this worker's verify_sizes {self.verify_sizes}")
         t0 = time.perf_counter()
-        drafts, qs = self.propose(slots, anchors, params, generators)  # [B, k], per request [k, V] or None
+        drafts, qs = self.propose(slots, anchors, params, generators, size)  # [B, k], per request [k, V] or None
         verify_ids = torch.cat([torch.tensor(anchors)[:, None], drafts], dim=1)  # [B, k + 1]
         B, M = verify_ids.shape
         t1 = time.perf_counter()

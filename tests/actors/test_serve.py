@@ -7,6 +7,7 @@ import json
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -212,11 +213,14 @@ def test_a_replica_whose_engine_loop_stopped_is_replaced(served):
 
 
 def test_replica_spec_carries_the_speculation_settings():
-    """serve.engine's num_speculative_tokens and max_speculative_batch reach every replica's Engine."""
+    """serve.engine's speculation settings reach every replica's Engine (a cost table as an absolute path)."""
     from specray.actors.serve import replica_spec
 
     cfg = load_config(ServeJobConfig, "manifests/serve.yaml",
-                      ["engine.num_speculative_tokens=2", "engine.max_speculative_batch=3"])
+                      ["engine.num_speculative_tokens=2", "engine.max_speculative_batch=3", "engine.speculation=static",
+                       "engine.tree=true", "engine.cost_table=cost.json"])
     spec = replica_spec(cfg, None)
-    assert (spec.num_speculative_tokens, spec.max_speculative_batch) == (2, 3)
-    assert replica_spec(load_config(ServeJobConfig, "manifests/serve.yaml"), None).max_speculative_batch == 1
+    assert (spec.num_speculative_tokens, spec.max_speculative_batch, spec.speculation, spec.tree) == (2, 3, "static", True)
+    assert spec.cost_table == str(Path("cost.json").resolve())
+    default = replica_spec(load_config(ServeJobConfig, "manifests/serve.yaml"), None)
+    assert (default.speculation, default.max_speculative_batch, default.cost_table) == ("auto", None, None)

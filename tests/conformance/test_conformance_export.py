@@ -46,7 +46,8 @@ def _served_proposals(target, drafter, algorithm, prompt: list[int]) -> dict:
     worker = WORKERS[algorithm](runner, drafter)
     anchor = int(worker.prefill([0], [prompt])[0].argmax())
     with recorded_verification() as seen:
-        worker.step([0], [anchor], [SamplingParams(temperature=1.0)], [torch.Generator().manual_seed(3)])
+        worker.step([0], [anchor], [SamplingParams(temperature=1.0)], [torch.Generator().manual_seed(3)],
+                    worker.verify_sizes[-1])
     assert len(seen) == 1, "a speculative round verifies through kernels/rejection.py::rejection_sample"
     return seen[0]
 

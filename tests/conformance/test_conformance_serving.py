@@ -7,7 +7,10 @@
   accepted text, and the worker's draft state is the one that prefill builds: the next round
   proposes the same drafts from the same distribution q (observed where every worker hands them
   to verification, ``kernels/rejection.py::rejection_sample``), with speculative rounds and with
-  plain steps (a batch above ``max_speculative_batch``).
+  plain steps (rounds of size 0).
+
+The engine runs with ``speculation="static"`` here: every round verifies the worker's largest
+size, so every path of the worker runs (the chooser is tested in tests/serving/test_chooser.py).
 """
 
 import pytest
@@ -26,7 +29,7 @@ from specray.serving.workers import WORKERS, Worker
 def test_engine_greedy_equals_transformers_generate(debug_target, debug_greedy, debug_drafter, algorithm, kind,
                                                     tmp_path):
     engine = Engine(debug_target, export(debug_drafter(algorithm, kind), debug_target, tmp_path / "export"),
-                    max_batch=len(PROMPTS), max_len=512)
+                    max_batch=len(PROMPTS), max_len=512, speculation="static")
     assert isinstance(engine.worker, WORKERS[algorithm]) and isinstance(engine.worker, Worker)
     outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW))
     for out in outputs:
@@ -57,16 +60,16 @@ def _worker(target, drafter, algorithm, **options):
     return WORKERS[algorithm](runner, drafter, **options)
 
 
-def _decode(worker, prompts, rounds):
-    """Greedy rounds as the engine drives them; returns each request's text (prompt + emitted
-    tokens, the last one the anchor) and each round's StepOutput."""
+def _decode(worker, prompts, rounds, size):
+    """Greedy rounds of ``size`` as the engine drives them; returns each request's text (prompt +
+    emitted tokens, the last one the anchor) and each round's StepOutput."""
     slots = list(range(len(prompts)))
     generators = [torch.Generator().manual_seed(s) for s in slots]
     logits = worker.prefill(slots, prompts)
     texts = [list(p) + [sample_next(logits[s], SamplingParams(), generators[s])] for s, p in enumerate(prompts)]
     steps = []
     for _ in range(rounds):
-        out = worker.step(slots, [t[-1] for t in texts], [SamplingParams()] * len(slots), generators)
+        out = worker.step(slots, [t[-1] for t in texts], [SamplingParams()] * len(slots), generators, size)
         for text, tokens in zip(texts, out.tokens):
             text += tokens
         steps.append(out)
@@ -76,7 +79,8 @@ def _decode(worker, prompts, rounds):
 def _sampled_round(worker, slot, anchor, verified):
     """One sampled round of the request in ``slot`` alone; returns its StepOutput and what it verified."""
     before = len(verified)
-    out = worker.step([slot], [anchor], [SamplingParams(temperature=1.0)], [torch.Generator().manual_seed(7)])
+    out = worker.step([slot], [anchor], [SamplingParams(temperature=1.0)], [torch.Generator().manual_seed(7)],
+                      worker.verify_sizes[-1])
     assert len(verified) == before + 1, "a speculative round verifies through kernels/rejection.py::rejection_sample"
     return out, verified[-1]
 
@@ -87,9 +91,9 @@ def test_caches_after_rejections_equal_caches_of_the_accepted_prefix(debug_targe
                                                                      plain, verified):
     drafter = debug_drafter(algorithm, kind, CACHE_PROMPTS, first=12)
     prompts = [encode_prompt(debug_target.tokenizer, p) for p in CACHE_PROMPTS]
-    # plain: three requests above max_speculative_batch=1 take plain steps; the check rounds run one at a time
-    worker = _worker(debug_target, drafter, algorithm, max_speculative_batch=1 if plain else None)
-    texts, steps = _decode(worker, prompts, rounds=8)
+    # plain: plain steps (size 0) for all three; the check rounds run one at a time
+    worker = _worker(debug_target, drafter, algorithm)
+    texts, steps = _decode(worker, prompts, rounds=8, size=0 if plain else worker.verify_sizes[-1])
     assert all(step.speculative is not plain for step in steps)
     if not plain:
         assert any(r < n for step in steps for r, n in zip(step.accepted, step.num_drafts))  # rejections
@@ -133,7 +137,8 @@ def smol_greedy(smollm2):
 def test_smollm2_greedy_equals_transformers_generate_on_mtbench(smollm2, smol_greedy, algorithm, tmp_path):
     """The one-token drafter: most rounds reject, the rounds inside the target's runs of its token accept."""
     drafter = build_drafter(algorithm, smollm2, "one_token", frequent=frequent_tokens(smol_greedy.values()))
-    engine = Engine(smollm2, export(drafter, smollm2, tmp_path / "export"), max_batch=4, max_len=1024)
+    engine = Engine(smollm2, export(drafter, smollm2, tmp_path / "export"), max_batch=4, max_len=1024,
+                    speculation="static")
     outputs = engine.generate([list(ids) for ids in smol_greedy], SamplingParams(max_tokens=SMOL_MAX_NEW))
     mismatched = [i for i, out in enumerate(outputs) if out.token_ids != smol_greedy[tuple(out.prompt_ids)]]
     assert len(outputs) == SMOL_PROMPTS and not mismatched, f"MT-Bench prompts {mismatched} differ from generate"

@@ -17,9 +17,9 @@ import pytest
 from specray.capture.contract import build_contract
 from specray.drafters import dflash, eagle3
 from specray.drafters.format import save_drafter
-from specray.pipeline import bench
-from specray.pipeline.bench import (VLLM_ENV, VLLM_NGRAM, _Generated, _timed, _vllm_drafter_lines, bench_serve, serve_table,
-                                    vllm_systems)
+from specray.pipeline import serve_bench as bench
+from specray.pipeline.serve_bench import (VLLM_ENV, VLLM_NGRAM, _Generated, _timed, _vllm_drafter_lines, bench_serve, serve_table,
+                                          vllm_systems)
 
 DRAFTERS = {"dflash": (dflash.debug_config, dflash.DFlashDrafter), "eagle3": (eagle3.debug_config, eagle3.Eagle3Drafter)}
 

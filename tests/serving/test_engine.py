@@ -53,7 +53,9 @@ def test_batch_equals_each_request_alone(debug_target, random_drafter):
 
 
 def test_sampling_is_seeded(debug_target, random_drafter):
-    engine = Engine(debug_target, str(random_drafter), max_batch=2, max_len=512)
+    """A seed reproduces a request under a fixed round schedule (static speculation; the automatic
+    one sizes rounds from measured times, so there only the distribution is reproduced)."""
+    engine = Engine(debug_target, str(random_drafter), max_batch=2, max_len=512, speculation="static")
     p = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=7)
     a = engine.generate(PROMPTS[:2], p)
     b = engine.generate(PROMPTS[:2], p)
@@ -120,8 +122,7 @@ class OracleWorker:
             self.committed[slot] = list(p)
         return self.worker.prefill(slots, prompts)
 
-    def propose(self, slots, anchors, params, generators):
-        m = self.worker.num_draft_tokens
+    def propose(self, slots, anchors, params, generators, m):
         drafts = []
         for slot, a in zip(slots, anchors):
             cont = (_hf_greedy_raw(self.target, self.committed[slot] + [a], m) + [0] * m)[:m]
@@ -132,8 +133,8 @@ class OracleWorker:
         self.round += 1
         return torch.tensor(drafts), [None] * len(slots)
 
-    def step(self, slots, anchors, params, generators) -> StepOutput:
-        out = self.worker.step(slots, anchors, params, generators)
+    def step(self, slots, anchors, params, generators, size) -> StepOutput:
+        out = self.worker.step(slots, anchors, params, generators, size)
         for slot, a, tokens in zip(slots, anchors, out.tokens):
             self.committed[slot] += [a] + tokens[:-1]
         return out
@@ -147,7 +148,7 @@ def _hf_greedy_raw(target, ids, max_new):
 
 
 def test_accepted_blocks_are_lossless_and_committed(debug_target, random_drafter):
-    engine = Engine(debug_target, str(random_drafter), max_batch=2, max_len=512)
+    engine = Engine(debug_target, str(random_drafter), max_batch=2, max_len=512, speculation="static")
     engine.worker = OracleWorker(engine.worker, debug_target)
     outputs = engine.generate(PROMPTS[:2], SamplingParams(max_tokens=30))
     for out in outputs:
@@ -197,15 +198,16 @@ def test_bench_serve_writes_json_and_plot(debug_target, random_drafter, tmp_path
 
 
 def test_num_speculative_tokens_caps_the_drafts_verified_per_round(debug_target, random_drafter):
-    engine = Engine(debug_target, str(random_drafter), max_batch=2, max_len=512, num_speculative_tokens=2)
-    assert engine.worker.num_draft_tokens == 2 and engine.worker.max_verify_rows == 3
+    engine = Engine(debug_target, str(random_drafter), max_batch=2, max_len=512, num_speculative_tokens=2,
+                    speculation="static")
+    assert engine.worker.verify_sizes == (1, 2) and engine.worker.max_verify_rows == 3
     engine.worker = OracleWorker(engine.worker, debug_target)
     outputs = engine.generate(PROMPTS[:2], SamplingParams(max_tokens=30))
     for out in outputs:
         assert out.token_ids == _hf_greedy(debug_target, out.prompt_ids, 30)
         assert max(out.emitted_per_round) == 3 and min(out.emitted_per_round) == 1  # at most k + 1 per round
     assert len(engine.stats()["acceptance_by_position"]) == 2
-    assert Engine(debug_target, str(random_drafter), num_speculative_tokens=50).worker.num_draft_tokens == 3  # <= m
+    assert Engine(debug_target, str(random_drafter), num_speculative_tokens=50).worker.verify_sizes[-1] == 3  # <= m
     with pytest.raises(ValueError, match="num_speculative_tokens must be >= 1"):
         Engine(debug_target, str(random_drafter), num_speculative_tokens=0)
 
@@ -220,7 +222,7 @@ def test_draft_vocabulary_drafter_is_lossless_and_proposes_only_its_tokens(debug
     worker.prefill([0, 1], prompts)
     params = [SamplingParams(temperature=1.0), SamplingParams()]
     generators = [torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)]
-    drafts, qs = worker.propose([0, 1], [5, 7], params, generators)
+    drafts, qs = worker.propose([0, 1], [5, 7], params, generators, 3)
     assert drafts.shape == (2, 3) and torch.isin(drafts, vocab).all()
     q = qs[0]  # sampled request: [m, V], zero outside the draft vocabulary, the drafts drawn from it
     assert q.shape == (3, debug_target.vocab_size) and torch.allclose(q.sum(-1), torch.ones(3))
@@ -233,7 +235,8 @@ def test_draft_vocabulary_drafter_is_lossless_and_proposes_only_its_tokens(debug
 def test_max_speculative_batch_takes_plain_steps_above_it_and_stays_lossless(debug_target, random_drafter):
     """Three requests of different lengths with max_speculative_batch=1: plain steps while two or
     three run, speculative rounds once one is left; greedy output still equals transformers."""
-    engine = Engine(debug_target, str(random_drafter), max_batch=3, max_len=512, max_speculative_batch=1)
+    engine = Engine(debug_target, str(random_drafter), max_batch=3, max_len=512, max_speculative_batch=1,
+                    speculation="static")
     params = [SamplingParams(max_tokens=n) for n in (6, 14, 40)]
     outputs = engine.generate(PROMPTS[:3], params)
     for out, p in zip(outputs, params):
@@ -258,7 +261,7 @@ def test_plain_steps_keep_the_drafter_context_of_every_committed_row(debug_targe
     first = int(worker.prefill([0], [prompt])[0].argmax())
     tokens = [first]
     for _ in range(5):
-        out = worker.step([0], [tokens[-1]], [SamplingParams()], [None])
+        out = worker.step([0], [tokens[-1]], [SamplingParams()], [None], 0)
         assert not out.speculative and out.num_drafts == [0] and len(out.tokens[0]) == 1
         tokens += out.tokens[0]
     n = len(prompt) + 5  # the last token is the anchor: no KV yet
@@ -275,7 +278,8 @@ class ProtocolOnly:
 
     def __init__(self, worker):
         self._worker = worker
-        self.max_verify_rows = worker.max_verify_rows
+        self.max_verify_rows, self.verify_sizes, self.verify_layout = (worker.max_verify_rows, worker.verify_sizes,
+                                                                       worker.verify_layout)
         self.prefill, self.step, self.release, self.stats = worker.prefill, worker.step, worker.release, worker.stats
 
 
@@ -298,7 +302,7 @@ def test_round_stats_count_only_tokens_before_a_stop(debug_target, random_drafte
     assert full[2] not in full[:2]
 
     def run(params):
-        engine = Engine(debug_target, str(random_drafter), max_batch=1, max_len=512)
+        engine = Engine(debug_target, str(random_drafter), max_batch=1, max_len=512, speculation="static")
         engine.worker = OracleWorker(engine.worker, debug_target, corrupt=False)
         return engine.generate([PROMPTS[1]], params)[0], engine.stats()
 

@@ -48,7 +48,7 @@ def _hf_greedy(target, ids: list[int], max_new: int) -> list[int]:
 
 def test_dflash_greedy_equals_transformers_on_mtbench(smollm2, trained_drafter):
     prompts = [c.as_chat() for c in load_conversations("mtbench", purpose="eval", limit=20)]
-    engine = Engine(smollm2, trained_drafter, max_batch=4, max_len=1024)
+    engine = Engine(smollm2, trained_drafter, max_batch=4, max_len=1024, speculation="static")
     outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
     assert len(outputs) == 20
     mismatched = [i for i, out in enumerate(outputs) if out.token_ids != _hf_greedy(smollm2, out.prompt_ids, MAX_TOKENS)]

@@ -1,0 +1,220 @@
+"""The round-size chooser: how much to verify this round, from measured cost and acceptance (seed §1.3, §9.3).
+
+The unit to optimise is emitted tokens per second of batch time. For a group of ``B`` requests
+on one drafter version and each size ``s`` the worker can run (``worker.verify_sizes``; 0 is a
+plain step), the chooser predicts
+
+    tokens/s(s) = B · (1 + E[accepted | s]) / (forward(B, 1 + s) + overhead(B, s))
+
+and runs the best ``s``:
+
+- ``forward(B, rows)``: the cost table (``serving/cost_table.py``): the target's measured forward;
+- ``overhead(B, s)``: everything else a round costs (drafting, acceptance, commits, the
+  drafter's context), learned online as the moving average of each round's measured wall time
+  minus the table's forward, per batch size and round size (a pair not yet run borrows the
+  nearest size's at that batch, else the nearest batch's scaled by the batch ratio, else 0);
+- ``E[accepted | s]``: from the version's rounds (``ChainAcceptance``: per-position conditional
+  acceptance, each position shrunk toward the one before it while it has few rounds, so an
+  untried longer chain is predicted from the positions before it; ``BudgetAcceptance`` for
+  trees: the mean accepted length per node budget, falling back to a chain model over depths).
+
+A plain step updates no acceptance, so when speculation stops paying the chooser still runs the
+best speculative size once every ``explore_every`` decisions to keep its estimates current (a
+drafter whose acceptance improves, a load that drops). ``max_speculative_batch`` stays an upper
+bound: a larger group takes plain steps. The verify is padded (every request of the group runs
+``1 + s`` rows), so one size per group is the choice per request as well.
+
+Each decision's prediction is kept next to what the round measured (``summary``): the model is
+useful only if its predictions hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from specray.serving.cost_table import CostTable
+
+DECAY = 0.995  # per round: acceptance and overhead estimates follow about the last 200 rounds
+PRIOR_ACCEPT = 0.5  # position 1's conditional acceptance before any round (optimistic enough to try)
+SHRINK = 4.0  # pseudo-rounds pulling a position's estimate toward the position before it
+
+
+class ChainAcceptance:
+    """Conditional acceptance per draft position: ``alpha[i] = P(draft i accepted | i − 1 were)``."""
+
+    def __init__(self, max_positions: int):
+        self.tried = [0.0] * max_positions  # rounds (decayed) that verified position i with i − 1 accepted
+        self.passed = [0.0] * max_positions  # of those, rounds that accepted position i
+
+    def record(self, num_drafts: int, accepted: int) -> None:
+        self.tried = [t * DECAY for t in self.tried]
+        self.passed = [p * DECAY for p in self.passed]
+        for i in range(min(num_drafts, accepted + 1, len(self.tried))):
+            self.tried[i] += 1
+            self.passed[i] += i < accepted
+
+    def alphas(self) -> list[float]:
+        out, prior = [], PRIOR_ACCEPT
+        for tried, passed in zip(self.tried, self.passed):
+            prior = (passed + SHRINK * prior) / (tried + SHRINK)
+            out.append(prior)
+        return out
+
+    def expected(self, size: int) -> float:
+        """Expected accepted drafts of a chain of ``size``: sum over i <= size of P(first i accepted)."""
+        total, survive = 0.0, 1.0
+        for alpha in self.alphas()[:size]:
+            survive *= alpha
+            total += survive
+        return total
+
+
+class BudgetAcceptance:
+    """Mean accepted path length per node budget (a tree), from the rounds run at that budget;
+    a budget with fewer than ``min_rounds`` rounds falls back to a chain model over depths."""
+
+    min_rounds = 4
+
+    def __init__(self, max_depth: int):
+        self.depths = ChainAcceptance(max_depth)
+        self.rounds: dict[int, list[float]] = {}  # size -> [decayed rounds, decayed accepted]
+
+    def record(self, size: int, num_drafts: int, accepted: int) -> None:
+        self.depths.record(num_drafts, accepted)
+        for stats in self.rounds.values():
+            stats[0] *= DECAY
+            stats[1] *= DECAY
+        stats = self.rounds.setdefault(size, [0.0, 0.0])
+        stats[0] += 1
+        stats[1] += accepted
+
+    def expected(self, size: int, depth: int) -> float:
+        rounds, accepted = self.rounds.get(size, (0.0, 0.0))
+        if rounds >= self.min_rounds:
+            return accepted / rounds
+        return self.depths.expected(min(size, depth))
+
+
+@dataclass
+class _Outcome:
+    """Predictions and measurements of the rounds run at one (batch, size)."""
+
+    rounds: int = 0
+    predicted_tokens: float = 0.0
+    predicted_seconds: float = 0.0
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class RoundChooser:
+    """Picks each round's size for one drafter version (see the module doc).
+
+    ``sizes``: the worker's ``verify_sizes``; ``layout``: its ``verify_layout`` ("chain" or
+    "tree"); ``depth``: the most drafts one path can accept (a chain: ``sizes[-1]``); ``static``:
+    every round of a group within ``max_speculative_batch`` runs the largest size (a fixed
+    setting, what the chooser is compared with)."""
+
+    table: CostTable
+    sizes: tuple[int, ...]
+    layout: str = "chain"
+    depth: int | None = None
+    max_speculative_batch: int | None = None
+    static: bool = False  # always the largest size (a fixed setting, for comparison)
+    explore_every: int = 32
+    overhead: dict[tuple[int, int], float] = field(default_factory=dict)
+    outcomes: dict[tuple[int, int], _Outcome] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.layout not in ("chain", "tree"):
+            raise ValueError(f"verify_layout must be 'chain' or 'tree', got {self.layout!r}")
+        self.depth = self.depth or (self.sizes[-1] if self.sizes else 0)
+        self.chain = ChainAcceptance(self.depth)
+        self.budgets = BudgetAcceptance(self.depth) if self.layout == "tree" else None
+        self._plain_run = 0
+
+    def expected_accepted(self, size: int) -> float:
+        if size == 0:
+            return 0.0
+        return self.chain.expected(size) if self.budgets is None else self.budgets.expected(size, self.depth)
+
+    def predict(self, batch: int, size: int) -> tuple[float, float]:
+        """(tokens, seconds) a round of ``size`` over ``batch`` requests is predicted to give."""
+        seconds = self.table.seconds(batch, 1 + size) + self._overhead(batch, size)
+        return batch * (1 + self.expected_accepted(size)), seconds
+
+    def choose(self, batch: int) -> int:
+        """The size to run for a group of ``batch`` requests (0 = a plain step)."""
+        if not self.sizes or (self.max_speculative_batch is not None and batch > self.max_speculative_batch):
+            return 0
+        if self.static:
+            return self.sizes[-1]
+        rates = {s: tokens / seconds for s in (0, *self.sizes) for tokens, seconds in [self.predict(batch, s)]}
+        best = max(rates, key=lambda s: (rates[s], -s))  # ties: the smaller round
+        if best == 0:
+            self._plain_run += 1
+            if self._plain_run % self.explore_every == 0:
+                best = max(self.sizes, key=lambda s: (rates[s], -s))
+        return best
+
+    def record(self, batch: int, size: int, seconds: float, num_drafts: list[int], accepted: list[int],
+               tokens: int) -> None:
+        """One round's measurement: its wall ``seconds``, per request drafts verified and accepted
+        (requests that failed excluded), and the tokens it emitted."""
+        tokens_predicted, seconds_predicted = self.predict(batch, size)
+        outcome = self.outcomes.setdefault((batch, size), _Outcome())
+        outcome.rounds += 1
+        outcome.predicted_tokens += tokens_predicted
+        outcome.predicted_seconds += seconds_predicted
+        outcome.tokens += tokens
+        outcome.seconds += seconds
+        residual = seconds - self.table.seconds(batch, 1 + size)
+        old = self.overhead.get((batch, size))
+        self.overhead[batch, size] = residual if old is None else 0.8 * old + 0.2 * residual
+        if size:
+            for n, r in zip(num_drafts, accepted):
+                if self.budgets is None:
+                    self.chain.record(n, r)
+                else:
+                    self.budgets.record(size, n, r)
+
+    def _overhead(self, batch: int, size: int) -> float:
+        """The learned overhead of (batch, size); an unseen pair borrows the nearest size's at the
+        same batch, else the nearest batch's scaled by the batch ratio (rounds borrow from rounds,
+        plain steps from plain steps), else 0."""
+        if (batch, size) in self.overhead:
+            return self.overhead[batch, size]
+        kind = [(b, s, v) for (b, s), v in self.overhead.items() if (s > 0) == (size > 0)]
+        if not kind:
+            return 0.0
+        b, _, v = min(kind, key=lambda k: (abs(k[0] - batch), abs(k[1] - size), k[1]))
+        return v * batch / b
+
+    def snapshot(self) -> dict[tuple[int, int], _Outcome]:
+        """The outcomes so far (for ``report(since=...)``: what a later stretch of rounds did)."""
+        return {key: replace(o) for key, o in self.outcomes.items()}
+
+    def report(self, since: dict[tuple[int, int], _Outcome] | None = None, batch: int | None = None) -> dict | None:
+        """Rounds by size and predicted against measured tokens/s of the rounds since ``since``
+        (over every group size, or only groups of ``batch``); None when no round ran."""
+        since = since or {}
+        rounds: dict[str, int] = {}
+        predicted_tokens = predicted_seconds = tokens = seconds = 0.0
+        for (b, size), o in sorted(self.outcomes.items()):
+            before = since.get((b, size), _Outcome())
+            if (batch is not None and b != batch) or o.rounds == before.rounds:
+                continue
+            rounds[str(size)] = rounds.get(str(size), 0) + o.rounds - before.rounds
+            predicted_tokens += o.predicted_tokens - before.predicted_tokens
+            predicted_seconds += o.predicted_seconds - before.predicted_seconds
+            tokens += o.tokens - before.tokens
+            seconds += o.seconds - before.seconds
+        if not rounds:
+            return None
+        predicted, measured = predicted_tokens / predicted_seconds, tokens / seconds
+        return {"rounds_by_size": rounds, "predicted_tokens_per_s": predicted, "measured_tokens_per_s": measured,
+                "prediction_error": predicted / measured - 1}
+
+    def summary(self) -> dict:
+        """``report`` per group size (the engine's ``stats()["chooser"]``)."""
+        return {str(b): self.report(batch=b) for b in sorted({b for b, _ in self.outcomes})}

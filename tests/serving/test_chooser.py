@@ -1,0 +1,154 @@
+"""The round-cost table and the chooser: synthetic tables, acceptance models, file errors, the CLI."""
+
+import json
+
+import pytest
+
+from specray.serving.chooser import BudgetAcceptance, ChainAcceptance, RoundChooser
+from specray.serving.cost_table import CostEntry, CostTable, CostTableError, MachineDescription, describe_machine, profile
+
+MACHINE = MachineDescription(cpu="test cpu", logical_cpus=2, threads=2, torch="2.13.0", device="cpu",
+                             target="sha256:abc", dtype="float32")
+
+
+def table(cost, batches=(1, 2, 4), rows=(1, 2, 4, 8), machine=MACHINE) -> CostTable:
+    """A full grid with ``cost(batch, rows)`` seconds per forward."""
+    return CostTable(machine=machine, context_tokens=256, repeats=1, created="2026-11-30T00:00:00+00:00",
+                     entries=[CostEntry(batch=b, rows=r, seconds=cost(b, r)) for b in batches for r in rows])
+
+
+def trained(chooser: RoundChooser, accept: float, rounds: int = 400, batch: int = 1) -> RoundChooser:
+    """Feed ``rounds`` chain rounds of the largest size where each draft survives with ``accept``
+    (deterministically: accepted = the expected count, rounded down per round cycle)."""
+    k = chooser.sizes[-1]
+    for i in range(rounds):
+        accepted = 0
+        while accepted < k and ((i * 7919 + accepted * 104729) % 1000) / 1000 < accept:
+            accepted += 1
+        chooser.record(batch, k, chooser.table.seconds(batch, k + 1), [k] * batch, [accepted] * batch, batch)
+    return chooser
+
+
+def test_table_interpolates_inside_and_extends_linearly_outside():
+    t = table(lambda b, r: 0.01 * b + 0.001 * r)
+    assert t.seconds(2, 4) == pytest.approx(0.024)
+    assert t.seconds(3, 3) == pytest.approx(0.033)  # bilinear: exact for a bilinear cost
+    assert t.seconds(8, 16) == pytest.approx(0.096)  # past both edges: linear
+    with pytest.raises(ValueError, match="full batch × rows grid"):
+        CostTable(machine=MACHINE, context_tokens=1, repeats=1, created="x",
+                  entries=[CostEntry(batch=1, rows=1, seconds=1.0), CostEntry(batch=2, rows=2, seconds=1.0)])
+
+
+def test_chooser_takes_a_plain_step_when_every_round_loses():
+    """Verify rows cost as much as decode steps (rows × step): no speculative size can pay."""
+    chooser = trained(RoundChooser(table(lambda b, r: 0.02 * r * b), (1, 2, 3, 4, 5, 6, 7)), accept=0.6)
+    assert chooser.choose(1) == 0 and chooser.choose(4) == 0
+
+
+def test_chooser_takes_the_largest_size_when_verify_rows_are_free():
+    chooser = trained(RoundChooser(table(lambda b, r: 0.02 * b), (1, 2, 3, 4, 5, 6, 7)), accept=0.6)
+    assert chooser.choose(1) == 7 and chooser.choose(4) == 7
+
+
+def test_chooser_balances_acceptance_against_cost_and_respects_the_bounds():
+    """Each row costs 30 % of a step: with acceptance 0.5 the best chain is short (k = 1 or 2);
+    with acceptance 0.95 a long one pays. A batch above max_speculative_batch never speculates."""
+    cost = table(lambda b, r: 0.02 * b * (1 + 0.3 * (r - 1)))
+    low = trained(RoundChooser(cost, (1, 2, 3, 4, 5, 6, 7)), accept=0.5)
+    high = trained(RoundChooser(cost, (1, 2, 3, 4, 5, 6, 7)), accept=0.95)
+    assert 1 <= low.choose(1) <= 2 and high.choose(1) >= 5
+    rates = {s: (lambda t, sec: t / sec)(*high.predict(1, s)) for s in (0, *high.sizes)}
+    assert high.choose(1) == max(rates, key=rates.get)  # the argmax of the predicted tokens/s
+    bounded = trained(RoundChooser(cost, (1, 2, 3), max_speculative_batch=2), accept=0.95)
+    assert bounded.choose(2) > 0 and bounded.choose(4) == 0
+    static = RoundChooser(cost, (1, 2, 3), static=True)
+    assert static.choose(1) == 3
+
+
+def test_overhead_is_learned_from_measured_rounds():
+    """Drafting that costs 3 steps per round (measured, not in the table) makes speculation lose."""
+    cost = table(lambda b, r: 0.02 * b)  # verify rows are free in the table
+    chooser = trained(RoundChooser(cost, (1, 2, 3)), accept=0.6)
+    assert chooser.choose(1) == 3
+    for _ in range(20):
+        chooser.record(1, 3, 0.02 + 0.06, [3], [1], 2)
+    assert chooser.choose(1) == 0
+    assert chooser.predict(2, 3)[1] > chooser.predict(1, 3)[1]  # an unseen batch borrows it, scaled
+
+
+def test_plain_steps_explore_the_best_speculative_size_now_and_then():
+    chooser = trained(RoundChooser(table(lambda b, r: 0.02 * r * b), (1, 2, 3), explore_every=4), accept=0.5)
+    picks = [chooser.choose(1) for _ in range(8)]
+    assert picks.count(0) == 6 and all(p in (0, 1, 2, 3) for p in picks)
+
+
+def test_chain_acceptance_predicts_untried_positions_from_the_ones_before():
+    model = ChainAcceptance(4)
+    for _ in range(200):
+        model.record(2, 1)  # position 1 always accepted, position 2 never: positions 3, 4 never tried
+    alphas = model.alphas()
+    assert alphas[0] > 0.95 and alphas[1] < 0.05 and alphas[2] == pytest.approx(alphas[1], abs=1e-9)
+    assert model.expected(1) == pytest.approx(alphas[0]) and model.expected(4) < alphas[0] + 0.05
+
+
+def test_budget_acceptance_uses_measured_means_per_budget():
+    model = BudgetAcceptance(max_depth=4)
+    for _ in range(10):
+        model.record(8, 4, 3)
+    assert model.expected(8, 4) == pytest.approx(3.0)
+    assert 0 < model.expected(2, 4) < 4  # untried budget: the chain model over depths
+
+
+def test_summary_reports_rounds_by_size_and_prediction_error():
+    chooser = RoundChooser(table(lambda b, r: 0.01 * b), (1, 2))
+    chooser.record(2, 2, 0.02, [2, 2], [2, 0], 4)
+    chooser.record(2, 0, 0.01, [0, 0], [0, 0], 2)
+    summary = chooser.summary()["2"]
+    assert summary["rounds_by_size"] == {"0": 1, "2": 1}
+    assert summary["measured_tokens_per_s"] == pytest.approx(6 / 0.03)
+    assert summary["prediction_error"] == pytest.approx(summary["predicted_tokens_per_s"] / summary["measured_tokens_per_s"] - 1)
+
+
+def test_table_files_name_the_file_and_refuse_another_machine(tmp_path):
+    path = tmp_path / "cost.json"
+    with pytest.raises(CostTableError, match=f"{path} does not exist.*specray profile"):
+        CostTable.load(path)
+    path.write_text("{not json")
+    with pytest.raises(CostTableError, match=f"{path} is malformed"):
+        CostTable.load(path)
+    path.write_text(json.dumps({"machine": MACHINE.model_dump(), "entries": []}))
+    with pytest.raises(CostTableError, match="malformed"):
+        CostTable.load(path)
+    path.unlink()
+    table(lambda b, r: 0.01).save(path)
+    assert CostTable.load(path).seconds(1, 1) == pytest.approx(0.01)
+    table(lambda b, r: 0.02).save(path)  # the same machine: replaced
+    other = table(lambda b, r: 0.03, machine=MACHINE.model_copy(update={"cpu": "another cpu"}))
+    with pytest.raises(CostTableError, match="another machine description.*cpu: 'test cpu' vs 'another cpu'.*--force"):
+        other.save(path)
+    other.save(path, force=True)
+    with pytest.raises(CostTableError, match="measured on another machine"):
+        CostTable.load(path).check_machine(MACHINE, str(path))
+
+
+def test_profile_measures_the_target_on_this_machine(debug_target):
+    t = profile(debug_target, batch_sizes=(1, 2), rows=(1, 3), context_tokens=16, repeats=1)
+    assert t.machine == describe_machine(debug_target) and t.machine.target == debug_target.target_fingerprint
+    assert {(e.batch, e.rows) for e in t.entries} == {(1, 1), (1, 3), (2, 1), (2, 3)}
+    assert all(e.seconds > 0 for e in t.entries)
+
+
+def test_profile_cli_writes_and_refuses_to_overwrite_another_machine(tmp_path, capsys):
+    from specray.pipeline.cli import main
+
+    out = tmp_path / "cost.json"
+    args = ["profile", "--target", "debug", "--out", str(out), "--batch-sizes", "1", "2", "--rows", "1", "2",
+            "--context-tokens", "16", "--repeats", "1"]
+    assert main(args) == 0
+    assert "batch\\rows" in capsys.readouterr().out and CostTable.load(out).machine.cpu
+    data = json.loads(out.read_text())
+    data["machine"]["cpu"] = "another cpu"
+    out.write_text(json.dumps(data))
+    assert main(args) == 2
+    assert "another machine description" in capsys.readouterr().err
+    assert main([*args, "--force"]) == 0
