@@ -178,13 +178,24 @@ def test_bench_serve_writes_json_and_plot(debug_target, random_drafter, tmp_path
 
     from specray.pipeline.cli import main
 
-    path = tmp_path / "serve.json"
+    from specray.serving.cost_table import profile
+
+    path, table = tmp_path / "serve.json", tmp_path / "cost.json"
+    profile(debug_target, batch_sizes=(1, 2), rows=(1, 4), context_tokens=16, repeats=1).save(table)
+    # static rounds (k = 3, the block) and a sweep system at k = 1, sized with the given cost table
     assert main(["bench", "serve", "--target", "debug", "--drafter", str(random_drafter), "--num-prompts", "2",
-                 "--max-tokens", "6", "--batch-sizes", "1", "2", "--json", str(path), "--png", str(tmp_path / "a.png")]) == 0
+                 "--max-tokens", "6", "--batch-sizes", "1", "2", "--json", str(path), "--png", str(tmp_path / "a.png"),
+                 "--speculation", "static", "--static-sizes", "1", "--cost-table", str(table)]) == 0
     result = json.loads(path.read_text())
     systems = {(r["system"], r["batch_size"]) for r in result["runs"]}
-    assert {("specray-ar", 1), ("specray-drafter", 2), ("hf-generate", 1), ("hf-prompt-lookup", 1)} <= systems
-    assert result["algorithm"] == "dflash"
+    assert {("specray-ar", 1), ("specray-drafter", 2), ("specray-drafter-k1", 2), ("hf-generate", 1),
+            ("hf-prompt-lookup", 1)} <= systems
+    assert result["algorithm"] == "dflash" and result["cost_table"] == str(table)
+    rounds = {(r["system"], r["batch_size"]): r.get("rounds") for r in result["runs"]}
+    assert set(rounds["specray-drafter", 1]["rounds_by_size"]) == {"3"} and rounds["specray-ar", 1] is None
+    assert set(rounds["specray-drafter-k1", 2]["rounds_by_size"]) <= {"1"}  # groups of 2, then of 1 as requests end
+    assert rounds["specray-drafter", 1]["predicted_tokens_per_s"] > 0 and "prediction_error" in rounds["specray-drafter", 1]
+    assert set(result["speedup_vs_ar_by_batch"]["2"]) == {"specray-drafter", "specray-drafter-k1"}
     for key in ("tau", "speedup_vs_ar", "speedup_vs_hf_generate", "bound_ratio", "greedy_match"):
         assert result[key] is not None
     assert result["speedup_vs_vllm_ar"] is None and result["greedy_match"] == 1.0
