@@ -256,6 +256,12 @@ def _prometheus(stats: dict, model: str) -> str:
                [("", stats["tau"])])
     metric("acceptance_rate", "gauge", "fraction of rounds whose draft at this position was accepted",
            [(f",position=\"{j + 1}\"", a) for j, a in enumerate(stats["acceptance_by_position"])])
+    sizes: dict[int, int] = {}
+    for report in (stats.get("chooser") or {}).values():
+        for size, n in report["rounds_by_size"].items():
+            sizes[int(size)] = sizes.get(int(size), 0) + n
+    metric("rounds_total", "counter", "rounds of the active drafter by the size its chooser picked (0 = a plain step)",
+           [(f",size=\"{size}\"", n) for size, n in sorted(sizes.items())])
     return "\n".join(lines) + "\n"
 
 

@@ -152,3 +152,21 @@ def test_profile_cli_writes_and_refuses_to_overwrite_another_machine(tmp_path, c
     assert main(args) == 2
     assert "another machine description" in capsys.readouterr().err
     assert main([*args, "--force"]) == 0
+
+
+def test_the_engine_sizes_rounds_automatically_and_stays_lossless(debug_target, export_drafter):
+    """Default engine (speculation auto, a measured table): greedy output equals plain AR; the
+    chooser's rounds show in stats() and in /metrics' Prometheus text."""
+    from specray.serving.engine import Engine
+    from specray.serving.openai_api import _prometheus
+    from specray.serving.sampling import SamplingParams
+
+    prompts = ["Hi", "Tell me about dragons and castles.", "1 2 3 4 5 6"]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    expected = [o.token_ids for o in Engine(debug_target, None, max_batch=3, max_len=256).generate(prompts, params)]
+    engine = Engine(debug_target, str(export_drafter()), max_batch=3, max_len=256)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == expected
+    stats = engine.stats()
+    chosen = {size: n for report in stats["chooser"].values() for size, n in report["rounds_by_size"].items()}
+    assert set(chosen) <= {"0", "1", "2", "3"} and all(r["measured_tokens_per_s"] > 0 for r in stats["chooser"].values())
+    assert 'specray_rounds_total{model="debug",size="' in _prometheus(stats, "debug")
