@@ -14,7 +14,9 @@ over ``context_tokens`` committed tokens per request and records the median of `
 timings. The table carries the machine's description (CPU, threads, torch, target and dtype):
 the engine refuses a table whose description differs from its own, and ``save`` refuses to
 overwrite a table from another machine without ``force``. ``seconds(batch, rows)`` interpolates
-bilinearly inside the grid and extends linearly past its edges (``serving/chooser.py`` reads it).
+bilinearly inside the grid and extends linearly past its edges (``serving/chooser.py`` reads it);
+the grid is made non-decreasing in rows and batch size first (a forward of more rows never
+costs less; on a busy machine single timings can say otherwise).
 """
 
 from __future__ import annotations
@@ -80,6 +82,9 @@ class CostTable(BaseModel):
         missing = [(b, r) for b in batches for r in rows if (b, r) not in grid]
         if missing:
             raise ValueError(f"the entries must cover a full batch × rows grid; missing (batch, rows) {missing[:4]}")
+        for i, b in enumerate(batches):  # never cheaper with more rows or requests (timing noise can say so)
+            for j, r in enumerate(rows):
+                grid[b, r] = max(grid[b, r], grid[b, rows[j - 1]] if j else 0.0, grid[batches[i - 1], r] if i else 0.0)
         self._grid, self._batches, self._rows = grid, batches, rows
 
     @property

@@ -170,3 +170,11 @@ def test_the_engine_sizes_rounds_automatically_and_stays_lossless(debug_target, 
     chosen = {size: n for report in stats["chooser"].values() for size, n in report["rounds_by_size"].items()}
     assert set(chosen) <= {"0", "1", "2", "3"} and all(r["measured_tokens_per_s"] > 0 for r in stats["chooser"].values())
     assert 'specray_rounds_total{model="debug",size="' in _prometheus(stats, "debug")
+
+
+def test_noisy_timings_never_make_more_rows_cheaper():
+    noisy = {(1, 1): 0.03, (1, 2): 0.02, (1, 4): 0.05, (2, 1): 0.01, (2, 2): 0.04, (2, 4): 0.03}
+    t = CostTable(machine=MACHINE, context_tokens=1, repeats=1, created="x",
+                  entries=[CostEntry(batch=b, rows=r, seconds=v) for (b, r), v in noisy.items()])
+    assert [t.seconds(1, r) for r in (1, 2, 4)] == [0.03, 0.03, 0.05]
+    assert [t.seconds(2, r) for r in (1, 2, 4)] == [0.03, 0.04, 0.05]
