@@ -67,7 +67,10 @@ class _SamplingFields(_Body):
     stop: str | list[str] | None = Field(
         None, description=f"stop strings (not included in the output): at most {MAX_STOP_STRINGS}, "
                           f"of at most {MAX_STOP_CHARS} characters each")
-    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64, description="seeds sampling, for reproducible outputs")
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64,
+                             description="seeds sampling: the same output again when the engine runs fixed rounds "
+                                         "(no drafter, or speculation: static); with automatic round sizes, the same "
+                                         "distribution")
     stream: bool = Field(False, description="server-sent events, one chunk per engine step")
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="choices per request (only 1)")

@@ -36,7 +36,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # at most MAX_STOP_STRINGS, each of at most MAX_STOP_CHARS characters
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    seed: int | None = None
+    seed: int | None = None  # the same tokens under fixed rounds (AR, speculation "static"); else the same distribution
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
