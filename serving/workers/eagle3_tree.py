@@ -71,7 +71,8 @@ class Eagle3TreeWorker(Eagle3Worker):
         self.verify_sizes = tuple(sorted({s for s in NODE_BUDGETS if s <= cap} | {cap}))
 
     def _scratch_rows(self) -> int:
-        """Drafter rows past the committed ones a round writes beyond the target's verify rows."""
+        """Drafter-cache rows past the target's ``max_len``: the tree's scratch rows (``depth − 1``
+        frontiers of ``top_k`` rows) may outnumber the target's verify rows."""
         return (self.max_depth - 1) * self.top_k
 
     @torch.inference_mode()

@@ -337,3 +337,26 @@ def test_tree_sampled_rounds_keep_the_targets_distribution(debug_target, one_thr
         debug_target, drafter, slots=8, num_speculative_tokens=2, top_k=2, max_nodes=4), 4)
     assert chi2 < CHI2_8_P001, chi2
     assert sum(r >= 1 for r in accepted) > 0.05 * len(accepted)  # rounds accepted a child of the anchor
+
+
+def test_tree_node_scores_equal_the_drafters_chain_over_their_path(debug_target):
+    """Every generated node's cumulative log-probability equals the one the drafter gives its
+    root-to-node path run as a plain causal chain of rows: the tree rows' mask (committed rows,
+    ancestors, itself) and positions (depth) are right, for two requests of different lengths."""
+    worker = _tree_worker(debug_target, _drafter(debug_target), slots=2, num_speculative_tokens=4, top_k=3, max_nodes=16)
+    prompts = [_encode(debug_target, p) for p in PROMPTS[:2]]
+    worker.prefill([0, 1], prompts)
+    worker._take_anchors([0, 1], [5, 7])
+    tokens, parents, scores = worker.draft_tree([0, 1], [SamplingParams()] * 2, 16)
+    assert tokens.shape == (2, 3 + 3 * 9)  # depth 1: 3 nodes; depths 2..4: 3 frontier nodes x 3 children
+    for b in (0, 1):
+        for node in range(tokens.shape[1]):
+            path = []
+            while node >= 0:
+                path.insert(0, node)
+                node = int(parents[b, node])
+            slot, state, expected = torch.tensor([b]), worker.state[b], 0.0
+            for depth, n in enumerate(path):  # the chain: row j (the path's j-th token) at scratch committed + j
+                expected += float(worker.drafter.compute_logits(state).float().log_softmax(-1)[int(tokens[b, n])])
+                state = worker._rows(slot, worker.cache.committed[slot] + depth, state[None, None], tokens[b, n][None, None])[0, 0]
+            assert abs(float(scores[b, path[-1]]) - expected) < 1e-4, (b, path)
