@@ -103,11 +103,12 @@ def bench_serve(*, target_name: str, drafter_dir: str | None, dataset: str, num_
     """Ours (AR, the drafter) vs transformers generate / prompt lookup, then vLLM when importable.
 
     The drafter runs with the given speculation options (``Engine``'s); ``static_sizes`` adds one
-    system per size, ``specray-drafter-kN``, that verifies N drafts every round (a sweep to hold
-    the automatic choice against). ``cost_table``: a ``specray profile`` table (default: measured
-    by the drafter's engine, then shared). ``transformers=False`` / ``vllm=False`` skip those
-    peers (the pipeline's bench stage measures only the drafter against our AR); their speedups
-    are then null."""
+    system per size, ``specray-drafter-kN``, that verifies N drafts (tree nodes with ``tree``)
+    every round (a sweep to hold the automatic choice against); with ``tree`` the drafter's chain
+    runs beside it (``specray-drafter-chain``). ``cost_table``: a ``specray profile`` table
+    (default: measured by the drafter's engine, then shared). ``transformers=False`` /
+    ``vllm=False`` skip those peers (the pipeline's bench stage measures only the drafter against
+    our AR); their speedups are then null."""
     from specray.capture.data import load_conversations
     from specray.serving.sampling import SamplingParams
 
@@ -148,7 +149,8 @@ def bench_serve(*, target_name: str, drafter_dir: str | None, dataset: str, num_
             phases = _round_phases(timing_start, engines["specray-drafter"].worker.stats(), repeats, run["seconds"])
     vllm_info = {"available": importlib.util.find_spec("vllm") is not None, "skipped": not vllm}
     if vllm and vllm_info["available"]:
-        k = engines["specray-drafter"].worker.max_verify_rows - 1 if drafter_dir else None
+        chain = engines.get("specray-drafter-chain", engines.get("specray-drafter"))  # vLLM drafts chains
+        k = chain.worker.max_verify_rows - 1 if drafter_dir else None
         ours = {name: (lambda batch, e=engine: _engine_system(e, chunked(batch), params)) for name, engine in engines.items()}
         with tempfile.TemporaryDirectory(prefix="specray-bench-peer-") as tmp:
             systems, vllm_info["drafter"] = vllm_systems(drafter_dir, target, k, tmp)
@@ -181,7 +183,8 @@ def bench_serve(*, target_name: str, drafter_dir: str | None, dataset: str, num_
 
 def _engines(target, drafter_dir: str | None, max_batch: int, *, static_sizes: tuple[int, ...], cost_table,
              **options) -> dict:
-    """Our systems: AR, the drafter with ``options``, and the drafter at each static size (sharing its cost table)."""
+    """Our systems: AR, the drafter with ``options``, with ``tree`` also its chain (``specray-drafter-chain``),
+    and the drafter at each static size (a node budget for trees), all sharing one cost table."""
     from specray.serving.engine import Engine
 
     engines = {"specray-ar": Engine(target, None, max_batch=max_batch)}
@@ -189,6 +192,9 @@ def _engines(target, drafter_dir: str | None, max_batch: int, *, static_sizes: t
         drafter = engines["specray-drafter"] = Engine(target, drafter_dir, max_batch=max_batch, cost_table=cost_table,
                                                       **options)
         table = drafter.versions.cost_table
+        if options.get("tree"):  # the same drafter's chain, for trees against chains in one run
+            engines["specray-drafter-chain"] = Engine(target, drafter_dir, max_batch=max_batch, cost_table=table,
+                                                      **{**options, "tree": False, "num_speculative_tokens": None})
         for k in static_sizes:
             engines[f"specray-drafter-k{k}"] = Engine(target, drafter_dir, max_batch=max_batch, cost_table=table,
                                                       **{**options, "num_speculative_tokens": k, "speculation": "static"})

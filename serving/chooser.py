@@ -192,7 +192,7 @@ class RoundChooser:
 
     def snapshot(self) -> dict[tuple[int, int], _Outcome]:
         """The outcomes so far (for ``report(since=...)``: what a later stretch of rounds did)."""
-        return {key: replace(o) for key, o in self.outcomes.items()}
+        return {key: replace(o) for key, o in dict(self.outcomes).items()}
 
     def report(self, since: dict[tuple[int, int], _Outcome] | None = None, batch: int | None = None) -> dict | None:
         """Rounds by size and predicted against measured tokens/s of the rounds since ``since``
@@ -200,7 +200,7 @@ class RoundChooser:
         since = since or {}
         rounds: dict[str, int] = {}
         predicted_tokens = predicted_seconds = tokens = seconds = 0.0
-        for (b, size), o in sorted(self.outcomes.items()):
+        for (b, size), o in sorted(dict(self.outcomes).items()):  # a copy: the engine thread may add rounds
             before = since.get((b, size), _Outcome())
             if (batch is not None and b != batch) or o.rounds == before.rounds:
                 continue
@@ -217,4 +217,4 @@ class RoundChooser:
 
     def summary(self) -> dict:
         """``report`` per group size (the engine's ``stats()["chooser"]``)."""
-        return {str(b): self.report(batch=b) for b in sorted({b for b, _ in self.outcomes})}
+        return {str(b): self.report(batch=b) for b in sorted({b for b, _ in dict(self.outcomes)})}
