@@ -8,8 +8,9 @@ from specray.serving.workers.ar import ARWorker
 from specray.serving.workers.base import StepOutput, Worker
 from specray.serving.workers.dflash import DFlashWorker
 from specray.serving.workers.eagle3 import Eagle3Worker
+from specray.serving.workers.eagle3_tree import Eagle3TreeWorker
 
 WORKERS = {"dflash": DFlashWorker, "eagle3": Eagle3Worker}
-TREE_WORKERS: dict[str, type] = {}
+TREE_WORKERS = {"eagle3": Eagle3TreeWorker}
 
-__all__ = ["ARWorker", "DFlashWorker", "StepOutput", "TREE_WORKERS", "WORKERS", "Worker"]
+__all__ = ["ARWorker", "DFlashWorker", "Eagle3TreeWorker", "StepOutput", "TREE_WORKERS", "WORKERS", "Worker"]
