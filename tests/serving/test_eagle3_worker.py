@@ -85,15 +85,23 @@ def eagle3_export(debug_target, tmp_path_factory):
                         contract=json.loads(contract.to_json()), provenance={"run": "random"})
 
 
-@pytest.mark.parametrize("k", [None, 1])
-def test_engine_greedy_equals_transformers_generate(debug_target, eagle3_export, k):
-    engine = Engine(debug_target, str(eagle3_export), max_batch=3, max_len=512, num_speculative_tokens=k)
-    assert engine.worker.max_verify_rows == (k or DEFAULT_NUM_DRAFTS) + 1
+@pytest.mark.parametrize("k, tree", [(None, False), (1, False), (None, True)])
+def test_engine_greedy_equals_transformers_generate(debug_target, eagle3_export, k, tree):
+    """Chains and trees, round sizes chosen by the engine."""
+    engine = Engine(debug_target, str(eagle3_export), max_batch=3, max_len=512, num_speculative_tokens=k, tree=tree)
+    assert isinstance(engine.worker, Eagle3TreeWorker if tree else Eagle3Worker)
+    assert engine.worker.max_verify_rows == (17 if tree else (k or DEFAULT_NUM_DRAFTS) + 1)
     outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=24))
     for out in outputs:
         expected = _to_eos(debug_target, _hf_greedy(debug_target, out.prompt_ids, 24))
         assert out.token_ids == [t for t in expected if t != debug_target.tokenizer.eos_token_id]  # the engine stops at EOS
         assert out.rounds >= 1
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_engine_seeded_sampling_repeats_under_static_rounds(debug_target, eagle3_export, tree):
+    """A seed gives the same tokens again when every round has the same size (``SamplingParams.seed``)."""
+    engine = Engine(debug_target, str(eagle3_export), max_batch=3, max_len=512, speculation="static", tree=tree)
     seeded = SamplingParams(max_tokens=12, temperature=0.8, seed=3)
     assert [o.token_ids for o in engine.generate(PROMPTS, seeded)] == \
         [o.token_ids for o in engine.generate(PROMPTS, seeded)]
