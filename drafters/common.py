@@ -1,9 +1,10 @@
-"""Model pieces every drafter shares: the small-M linear, RMSNorm, RoPE, the draft vocabulary,
-and the base of the manifest's ``drafter`` section.
+"""Model pieces every drafter shares: the small-M linear, the frozen target linear, RMSNorm, RoPE,
+the draft vocabulary, and the base of the manifest's ``drafter`` section.
 
 - ``small_m_linear`` / ``Linear``: at inference with a handful of rows on CPU, ``x @ Wᵀ`` takes
-  ``(W @ xᵀ)ᵀ`` (``weight_major_linear``, the layout ``serving/runner.py`` runs every target
-  projection in); training keeps ``F.linear``.
+  ``(W @ xᵀ)ᵀ`` (``weight_major_linear``); training keeps ``F.linear``.
+- ``FrozenLinear``: the serving runner's product for a frozen target weight (``F.linear`` for
+  one or two fp32 rows, oneDNN on a prepacked copy for more rows and in bf16).
 - ``RMSNorm``, ``apply_rope`` (Llama's rotate-half layout, angles computed per position) and
   ``rope_table`` / ``apply_rope_table`` (the same rotation from a precomputed, sign-folded table,
   the serving runner's form).
@@ -62,6 +63,39 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class FrozenLinear:
+    """``x @ weightᵀ (+ residual)`` for a frozen [out, in] weight at inference: x [M, in] -> [M, out].
+
+    The serving runner's product (``serving/runner.py``), by row count on CPU:
+
+    - M > ``small_rows`` (3 or more in fp32, every M in bf16): oneDNN's matmul on a copy of the
+      weight prepacked once in its blocked layout (the kernel vLLM-CPU runs its linears with).
+      Per-thread CPU time of the embedded target's whole product chain, 2 threads
+      (docs/benchmarks.md): fp32 36 ms at 4 rows against 54 ms for ``weight_major_linear``;
+      bf16 15 ms at 1-2 rows against 26-33 ms for ``F.linear``;
+    - M <= ``small_rows`` in fp32: ``F.linear`` on the weight as stored (26 ms at 1-2 rows,
+      against 32-36 ms prepacked and 52 ms weight-major).
+
+    Without oneDNN (a torch build without mkldnn, or a non-CPU weight) every M takes ``F.linear``.
+    The packed copy costs the weight's size again in memory.
+    """
+
+    PACK_ROWS = 16  # the row count oneDNN lays the packed weight out for (it serves any M)
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight.detach()  # [out, in]
+        self.small_rows = 2 if self.weight.dtype == torch.float32 else 0
+        onednn = self.weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, self.PACK_ROWS) if onednn else None
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.packed is None or len(x) <= self.small_rows:
+            out = F.linear(x, self.weight)  # [M, out]
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")  # [M, out]
+        return out if residual is None else out.add_(residual)
 
 
 class Linear(nn.Linear):

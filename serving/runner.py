@@ -6,20 +6,19 @@ small matrix products over 531 MB of fp32 weights plus a few hundred small ops, 
 builders, generation config checks). This runner is built for that regime (numbers in
 ``docs/benchmarks.md``):
 
-- every projection is ``(W @ x.T).T`` on the ``[out, in]`` weights (``[q; k; v]`` and
-  ``[gate; up]`` fused into one matrix each). With two or more rows MKL runs this as a gemm that
-  streams the weights at about 28 GB/s on this VM, where ``F.linear``'s ``x @ W.T`` manages
-  about half that at small M, and any one-row product (a mat-vec) about 12-16 GB/s;
-- so a lone row (batch-1 decode) runs as two identical rows: the full-model product chain
-  then takes ~25 ms on two threads (~37 ms on one) instead of ~45 ms as mat-vecs. Only the first
-  row is written to the cache and returned. Every forward uses torch's intra-op threads, so AR
-  decoding and a speculative verify of the same rows cost the same. (A lone row on one thread, tried
-  for robustness on an oversubscribed machine where each of its ~150 parallel regions can wait a
+- every projection is a ``FrozenLinear`` (``drafters/common.py``) on the ``[out, in]`` weights
+  (``[q; k; v]`` and ``[gate; up]`` fused into one matrix each): ``F.linear`` for one or two fp32
+  rows, oneDNN's matmul on a copy of the weights prepacked once in its blocked layout for more
+  rows (and for every row count in bf16), the kernel vLLM-CPU runs its linears with. A batch-4
+  decode's product chain then takes about two thirds of the time of the ``(W @ x.T).T`` gemm
+  (numbers in ``FrozenLinear``). Every forward uses torch's intra-op threads, so AR decoding and
+  a speculative verify of the same rows cost the same. (A lone row on one thread, tried for
+  robustness on an oversubscribed machine where each of its ~150 parallel regions can wait a
   scheduler slice for the second thread, made our AR 1.5x slower than the 2-row verify on a quiet
-  machine and flattered speculation. On a machine
-  shared with other busy processes, give the engine fewer threads instead: ``specray serve``'s
-  ``engine.num_threads``, or ``torch.set_num_threads``);
-- the residual add turns each ``[out, M]`` product back into row-major activations; RoPE rotates
+  machine and flattered speculation. On a machine shared with other busy processes, give the
+  engine fewer threads instead: ``specray serve``'s ``engine.num_threads``, or
+  ``torch.set_num_threads``);
+- the residual is added in place into each product's output; RoPE rotates
   q and k in one ``addcmul`` with a sign-folded sine table (``rotate_half(x) * sin ==
   flip_halves(x) * [-sin, sin]``); grouped-query attention is two batched matmuls per layer over
   views of the cache (the ``g = H / Hkv`` query heads of one KV head share it, no repeat), scale
@@ -43,7 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specray.drafters.common import apply_rope_table, rope_table, weight_major_linear
+from specray.drafters.common import FrozenLinear, apply_rope_table, rope_table
 from specray.serving.kv_cache import SlotKVCache, attention_mask, tree_attention_mask
 
 @dataclass
@@ -80,19 +79,16 @@ def pad_rows(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 class _Plan:
     """Per-forward constants shared by every layer.
 
-    ``B`` requests × ``T`` query rows each, computed as ``R = B*T`` rows of which the first
-    ``rows`` are real: a lone row (``B = T = 1``) runs twice (``T = 2``, both at its position,
-    only the first written to the cache), since the 2-row gemm is far faster than the mat-vec.
+    ``B`` requests × ``T`` query rows each, computed as ``R = B*T`` rows.
     """
 
     B: int
     T: int
-    rows: int  # real rows (B * T, or 1 for a lone row)
     cos: torch.Tensor  # [R, 1, hd] RoPE cosines of each row's position
     sin: torch.Tensor  # [R, 1, hd] sign-folded sines ([-sin, sin] halves)
     bias: torch.Tensor | None  # [B*Hkv, g*T, length] 0 / -inf; None when every row sees every key
-    write_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # slot [rows,1], head [1,Hkv], pos [rows,1]
-    write_views: tuple[list[torch.Tensor], list[torch.Tensor]] | None  # one request: per layer [Hkv, rows, hd] K, V
+    write_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # slot [R,1], head [1,Hkv], pos [R,1]
+    write_views: tuple[list[torch.Tensor], list[torch.Tensor]] | None  # one request: per layer [Hkv, T, hd] K, V
     keys: list[torch.Tensor] | None  # per layer [B*Hkv, length, hd] cache views (consecutive slots), else None
     values: list[torch.Tensor] | None
     read_index: slice | torch.Tensor  # SlotKVCache.index(slots), for per-layer reads when not views
@@ -113,18 +109,18 @@ class LlamaRunner:
             raise ValueError(f"capture_layer_ids {self.capture_layer_ids} outside 0..{cfg.num_hidden_layers - 1}")
         dtype = model.lm_head.weight.dtype
         self.embed = model.model.embed_tokens.weight  # [V, D]
-        self.lm_head = model.lm_head.weight  # [V, D] (tied on SmolLM2: the same tensor)
+        self.lm_head = FrozenLinear(model.lm_head.weight)  # [V, D] (tied on SmolLM2: the embedding's tensor)
         self.final_norm = model.model.norm.weight
         self.layers = []
         for layer in model.model.layers:
             a, m = layer.self_attn, layer.mlp
             self.layers.append({
                 "in_norm": layer.input_layernorm.weight,
-                "qkv": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(),  # [(H+2Hkv)hd, D]
-                "o": a.o_proj.weight,
+                "qkv": FrozenLinear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),  # [(H+2Hkv)hd, D]
+                "o": FrozenLinear(a.o_proj.weight),
                 "post_norm": layer.post_attention_layernorm.weight,
-                "gate_up": torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(),  # [2I, D]
-                "down": m.down_proj.weight,
+                "gate_up": FrozenLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight])),  # [2I, D]
+                "down": FrozenLinear(m.down_proj.weight),
             })
         theta = float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
         self.cos, self.sin = rope_table(max_len, self.head_dim, theta, dtype)  # [max_len, hd] each, sines sign-folded
@@ -146,18 +142,15 @@ class LlamaRunner:
                            list(self.cache.v[:, slot, :, first : first + T].unbind(0)))
         else:
             write_index = (slots.repeat_interleave(T)[:, None], torch.arange(Hkv)[None, :], rows_at[:, None])
-        rows, bias = B * T, None
-        if rows == 1:  # a lone row sees every committed key and itself: no mask; run it twice
-            positions, T = positions.expand(2), 2
-        else:
-            bias = self._attention_bias(start, num_new, T, length, tree)
+        # a lone row sees every committed key and itself: no mask
+        bias = None if B * T == 1 else self._attention_bias(start, num_new, T, length, tree)
         index = self.cache.index(slots)
         keys = values = None
         if isinstance(index, slice):  # views: they see this forward's writes
             L = len(self.layers)
             keys = list(self.cache.k[:, index, :, :length].view(L, B * Hkv, length, hd).unbind(0))
             values = list(self.cache.v[:, index, :, :length].view(L, B * Hkv, length, hd).unbind(0))
-        return _Plan(B, T, rows, self.cos[positions][:, None], self.sin[positions][:, None], bias, write_index,
+        return _Plan(B, T, self.cos[positions][:, None], self.sin[positions][:, None], bias, write_index,
                      write_views, keys, values, index, length)
 
     def _attention_bias(self, start: torch.Tensor, num_new: torch.Tensor, T: int, length: int,
@@ -174,17 +167,17 @@ class LlamaRunner:
         return bias[:, None, None].expand(B, Hkv, g, T, length).reshape(B * Hkv, g * T, length)
 
     def _attention(self, i: int, qkv: torch.Tensor, plan: _Plan) -> torch.Tensor:
-        """qkv [R, (H+2Hkv)hd] of layer ``i`` -> attention output [R, H*hd]; writes the real rows' K/V."""
+        """qkv [R, (H+2Hkv)hd] of layer ``i`` -> attention output [R, H*hd]; writes the rows' K/V."""
         B, T, H, Hkv, hd = plan.B, plan.T, self.num_heads, self.num_kv_heads, self.head_dim
         g = H // Hkv
         qk = apply_rope_table(qkv[:, : (H + Hkv) * hd].view(B * T, H + Hkv, hd), plan.cos, plan.sin)  # [R, H+Hkv, hd]
         v = qkv[:, (H + Hkv) * hd :].view(B * T, Hkv, hd)
         if plan.write_views is not None:
-            plan.write_views[0][i].copy_(qk[: plan.rows, H:].transpose(0, 1))
-            plan.write_views[1][i].copy_(v[: plan.rows].transpose(0, 1))
+            plan.write_views[0][i].copy_(qk[:, H:].transpose(0, 1))
+            plan.write_views[1][i].copy_(v.transpose(0, 1))
         else:
-            self.cache.k[i].index_put_(plan.write_index, qk[: plan.rows, H:])
-            self.cache.v[i].index_put_(plan.write_index, v[: plan.rows])
+            self.cache.k[i].index_put_(plan.write_index, qk[:, H:])
+            self.cache.v[i].index_put_(plan.write_index, v)
         if plan.keys is not None:
             keys, values = plan.keys[i], plan.values[i]  # [B*Hkv, length, hd]
         else:
@@ -204,18 +197,18 @@ class LlamaRunner:
         """``tree``: the rows form a tree per request (``TreeLayout``), else a causal chain."""
         B, T = input_ids.shape
         plan = self._plan(slots, num_new, T, tree)
-        x = F.embedding(input_ids.view(-1).expand(plan.B * plan.T), self.embed)  # [R, D]
+        x = F.embedding(input_ids.reshape(-1), self.embed)  # [R, D]
         D = x.shape[-1]
         hidden: dict[int, torch.Tensor] = {}
         capture = self.capture_layer_ids
         for i, w in enumerate(self.layers):
             h = F.rms_norm(x, (D,), w["in_norm"], self.eps)
-            qkv = weight_major_linear(w["qkv"], h, row_major=False)
-            x = weight_major_linear(w["o"], self._attention(i, qkv, plan), residual=x)
-            gate, up = weight_major_linear(w["gate_up"], F.rms_norm(x, (D,), w["post_norm"], self.eps)).chunk(2, dim=-1)
-            x = weight_major_linear(w["down"], F.silu(gate).mul_(up), residual=x)
+            qkv = w["qkv"](h)
+            x = w["o"](self._attention(i, qkv, plan), residual=x)
+            gate, up = w["gate_up"](F.rms_norm(x, (D,), w["post_norm"], self.eps)).chunk(2, dim=-1)
+            x = w["down"](F.silu(gate).mul_(up), residual=x)
             if i in capture:
-                hidden[i] = x[: plan.rows].view(B, T, D)
-        logits = weight_major_linear(self.lm_head, F.rms_norm(x, (D,), self.final_norm, self.eps))  # [R, V]
-        return RunnerOutput(logits[: plan.rows].float().view(B, T, -1), hidden)
+                hidden[i] = x.view(B, T, D)
+        logits = self.lm_head(F.rms_norm(x, (D,), self.final_norm, self.eps))  # [R, V]
+        return RunnerOutput(logits.float().view(B, T, -1), hidden)
 

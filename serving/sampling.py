@@ -121,7 +121,11 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
 def sample_each(logits: torch.Tensor, params: list[SamplingParams], generators: list
                 ) -> tuple[list[list[int]], list[NonFiniteLogitsError | None]]:
     """One token per request from logits [B, V]: ``([[token]] or [] per request, error or None)``.
-    A request whose row is not finite gets no token and its error; the others are unaffected."""
+    A request whose row is not finite gets no token and its error; the others are unaffected.
+    An all-greedy batch whose logits are all finite (one sum tells) takes one argmax over the rows."""
+    greedy = all(p.greedy for p in params) and len(logits) == len(params) == len(generators)
+    if greedy and bool(torch.isfinite(logits.sum())):
+        return [[t] for t in logits.argmax(-1).tolist()], [None] * len(params)
     tokens, errors = [], []
     for row, p, g in zip(logits, params, generators, strict=True):
         try:

@@ -1,4 +1,4 @@
-"""drafters/common.py: the draft-vocabulary mapping, the two RoPE forms, the small-M linear, and
+"""drafters/common.py: the draft-vocabulary mapping, the two RoPE forms, the small-M and frozen linears, and
 the drafter registry's contract (every registered drafter builds from its section and its debug config)."""
 
 import pytest
@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from specray.drafters import ALGORITHMS, DRAFTERS, get_drafter
-from specray.drafters.common import (apply_rope, apply_rope_table, d2t_offsets, draft_to_target, rope_table,
-                                     small_m_linear, t2d_mask, target_to_draft, to_target_distribution,
+from specray.drafters.common import (FrozenLinear, apply_rope, apply_rope_table, d2t_offsets, draft_to_target,
+                                     rope_table, small_m_linear, t2d_mask, target_to_draft, to_target_distribution,
                                      weight_major_linear)
 
 VOCAB = torch.tensor([2, 5, 9])  # a draft vocabulary over V = 12 target ids
@@ -50,6 +50,19 @@ def test_small_m_linear_is_linear(rows):
         torch.testing.assert_close(small_m_linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
         if rows > 1:
             assert torch.equal(weight_major_linear(w, x), (w @ x.T).T.contiguous())
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 17])
+def test_frozen_linear_is_linear_plus_residual(rows, dtype, tol):
+    """Every row count takes its kernel (F.linear, or oneDNN on the prepacked copy) and matches x @ Wᵀ."""
+    torch.manual_seed(0)
+    x, w, residual = torch.randn(rows, 40, dtype=dtype), torch.randn(72, 40, dtype=dtype), torch.randn(rows, 72, dtype=dtype)
+    linear = FrozenLinear(w)
+    assert (linear.packed is not None) == torch.backends.mkldnn.is_available()
+    expected = x.float() @ w.float().T
+    torch.testing.assert_close(linear(x).float(), expected, rtol=tol, atol=tol * 10)
+    torch.testing.assert_close(linear(x, residual=residual).float(), expected + residual.float(), rtol=tol, atol=tol * 10)
 
 
 def test_unimplemented_and_unknown_algorithms_name_the_implemented_ones():
