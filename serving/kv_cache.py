@@ -63,6 +63,19 @@ class SlotKVCache:
             return slice(first, first + len(slots))
         return slots
 
+    @staticmethod
+    def window(slots: torch.Tensor) -> tuple[slice, torch.Tensor | None] | None:
+        """The slots ``[min(slots), max(slots)]`` as a slice (reads are views) when ``slots`` fill at
+        least half of it, with each request's place in it (None when ``slots`` are the window in
+        order); None for sparser slots (read through ``index``: gathered copies). A reader of the
+        window computes the other slots' rows too and drops them, which costs less than copying the
+        batch's K/V: ``[0, 2, 3]`` -> ``(slice(0, 4), [0, 2, 3])``, ``[2, 3]`` -> ``(slice(2, 4), None)``."""
+        lo, hi = int(slots.min()), int(slots.max())
+        if hi - lo + 1 > 2 * len(slots):
+            return None
+        places = slots - lo  # [B]
+        return slice(lo, hi + 1), None if torch.equal(places, torch.arange(len(slots))) else places
+
     def read(self, layer: int, index: slice | torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V rows ``[0, length)`` of the slots selected by ``index(slots)``: ([B, Hkv, length, hd], same)."""
         return self.k[layer, index, :, :length], self.v[layer, index, :, :length]

@@ -89,9 +89,10 @@ class _Plan:
     bias: torch.Tensor | None  # [B*Hkv, g*T, length] 0 / -inf; None when every row sees every key
     write_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # slot [R,1], head [1,Hkv], pos [R,1]
     write_views: tuple[list[torch.Tensor], list[torch.Tensor]] | None  # one request: per layer [Hkv, T, hd] K, V
-    keys: list[torch.Tensor] | None  # per layer [B*Hkv, length, hd] cache views (consecutive slots), else None
+    keys: list[torch.Tensor] | None  # per layer [W*Hkv, length, hd] views of the slot window (SlotKVCache.window)
     values: list[torch.Tensor] | None
-    read_index: slice | torch.Tensor  # SlotKVCache.index(slots), for per-layer reads when not views
+    places: torch.Tensor | None  # [B] each request's slot in the window when it holds others (their rows are dropped)
+    read_index: torch.Tensor | None  # SlotKVCache.index(slots), for gathered per-layer reads when there is no window
     length: int  # keys attended: [0, length)
 
 
@@ -144,14 +145,19 @@ class LlamaRunner:
             write_index = (slots.repeat_interleave(T)[:, None], torch.arange(Hkv)[None, :], rows_at[:, None])
         # a lone row sees every committed key and itself: no mask
         bias = None if B * T == 1 else self._attention_bias(start, num_new, T, length, tree)
-        index = self.cache.index(slots)
-        keys = values = None
-        if isinstance(index, slice):  # views: they see this forward's writes
-            L = len(self.layers)
-            keys = list(self.cache.k[:, index, :, :length].view(L, B * Hkv, length, hd).unbind(0))
-            values = list(self.cache.v[:, index, :, :length].view(L, B * Hkv, length, hd).unbind(0))
+        window, keys, values, places, index = self.cache.window(slots), None, None, None, None
+        if window is None:
+            index = self.cache.index(slots)
+        else:  # views: they see this forward's writes
+            span, places = window
+            L, W = len(self.layers), span.stop - span.start
+            keys = list(self.cache.k[:, span, :, :length].view(L, W * Hkv, length, hd).unbind(0))
+            values = list(self.cache.v[:, span, :, :length].view(L, W * Hkv, length, hd).unbind(0))
+            if places is not None:  # the window's other slots: zero queries and bias, rows dropped
+                bias = bias.new_zeros(W, Hkv, bias.shape[1], length).index_copy_(
+                    0, places, bias.view(B, Hkv, -1, length)).view(W * Hkv, -1, length)
         return _Plan(B, T, self.cos[positions][:, None], self.sin[positions][:, None], bias, write_index,
-                     write_views, keys, values, index, length)
+                     write_views, keys, values, places, index, length)
 
     def _attention_bias(self, start: torch.Tensor, num_new: torch.Tensor, T: int, length: int,
                         tree: TreeLayout | None) -> torch.Tensor:
@@ -179,16 +185,21 @@ class LlamaRunner:
             self.cache.k[i].index_put_(plan.write_index, qk[:, H:])
             self.cache.v[i].index_put_(plan.write_index, v)
         if plan.keys is not None:
-            keys, values = plan.keys[i], plan.values[i]  # [B*Hkv, length, hd]
+            keys, values = plan.keys[i], plan.values[i]  # [W*Hkv, length, hd]
         else:
             keys, values = (t.reshape(B * Hkv, plan.length, hd) for t in self.cache.read(i, plan.read_index, plan.length))
         # q [R, H, hd] -> [B*Hkv, g*T, hd]: head h = kv * g + j reads KV head kv (transformers' repeat_kv order)
         q = qk[:, :H].reshape(B, T, Hkv, g, hd).permute(0, 2, 3, 1, 4).reshape(B * Hkv, g * T, hd)
+        if plan.places is not None:  # [W*Hkv, g*T, hd]: the window's other slots get zero queries
+            q = q.new_zeros(len(keys) // Hkv, Hkv, g * T, hd).index_copy_(0, plan.places, q.view(B, Hkv, g * T, hd))
+            q = q.view(-1, g * T, hd)
         if plan.bias is None:
             scores = torch.bmm(q, keys.transpose(1, 2)).mul_(hd**-0.5)
         else:
             scores = torch.baddbmm(plan.bias, q, keys.transpose(1, 2), alpha=hd**-0.5)
-        out = torch.bmm(scores.softmax(-1), values)  # [B*Hkv, g*T, hd]
+        out = torch.bmm(scores.softmax(-1), values)  # [W*Hkv or B*Hkv, g*T, hd]
+        if plan.places is not None:
+            out = out.view(-1, Hkv, g * T, hd).index_select(0, plan.places)  # [B, Hkv, g*T, hd]
         return out.view(B, Hkv, g, T, hd).permute(0, 3, 1, 2, 4).reshape(B * T, H * hd)
 
     @torch.inference_mode()

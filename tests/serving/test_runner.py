@@ -116,3 +116,26 @@ def test_capacity_and_slot_errors(debug_target):
         runner.forward(torch.zeros(1, 9, dtype=torch.long), torch.tensor([0]), torch.tensor([9]))
     with pytest.raises(ValueError, match="cannot commit"):
         runner.cache.commit(0, 9)
+
+
+@pytest.mark.parametrize("order", [[0, 2, 3], [3, 0, 2], [0, 5]])
+def test_decode_over_a_slot_window_with_holes_or_gathered_equals_each_request_alone(debug_target, order):
+    """[0, 2, 3] / [3, 0, 2]: views of the window 0..3 (slot 1's rows computed and dropped);
+    [0, 5]: sparser than half the window, gathered copies. Each request's logits and cache rows
+    equal those of a forward of that request alone."""
+    target = debug_target
+    batched, alone = (LlamaRunner(target.model, num_slots=6, max_len=128) for _ in range(2))
+    for runner in (batched, alone):
+        for s in range(6):
+            runner.cache.allocate()
+            prompt = _prompt(target, "word " * (s + 1))
+            runner.forward(prompt[None], torch.tensor([s]), torch.tensor([len(prompt)]))
+            runner.cache.commit(s, len(prompt))
+    assert (SlotKVCache.window(torch.tensor(order)) is None) == (order == [0, 5])
+    ids = torch.tensor([[30 + s] for s in order])
+    out = batched.forward(ids, torch.tensor(order), torch.ones(len(order), dtype=torch.long))
+    for j, s in enumerate(order):
+        ref = alone.forward(ids[j : j + 1], torch.tensor([s]), torch.ones(1, dtype=torch.long))
+        torch.testing.assert_close(out.logits[j], ref.logits[0], atol=1e-5, rtol=1e-5)
+        n = int(alone.cache.committed[s]) + 1
+        torch.testing.assert_close(batched.cache.k[:, s, :, :n], alone.cache.k[:, s, :, :n], atol=1e-5, rtol=1e-5)
