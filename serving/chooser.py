@@ -6,13 +6,17 @@ plain step), the chooser predicts
 
     tokens/s(s) = B · (1 + E[accepted | s]) / (forward(B, 1 + s) + overhead(B, s))
 
-and runs the best ``s``:
+and runs the best ``s`` — a round only when it beats the plain step by ``MARGIN`` (choosing
+the best of several noisy estimates favours the one that was measured luckiest):
 
 - ``forward(B, rows)``: the cost table (``serving/cost_table.py``): the target's measured forward;
 - ``overhead(B, s)``: everything else a round costs (drafting, acceptance, commits, the
-  drafter's context), learned online as the moving average of each round's measured wall time
-  minus the table's forward, per batch size and round size (a pair not yet run borrows the
-  nearest size's at that batch, else the nearest batch's scaled by the batch ratio, else 0);
+  drafter's context), learned online from each round's measured wall time minus the table's
+  forward: a running mean per batch size and round size over its last ``OVERHEAD_WINDOW``
+  rounds, shrunk toward the pooled mean of the same batch size's other round sizes (plain steps
+  pool apart: they draft nothing), which is also what a size not yet run gets (with no round at
+  that batch size: the nearest batch size's, scaled by the batch ratio; with none at all: 0).
+  Pooling keeps one noisy round from deciding the next hundred;
 - ``E[accepted | s]``: from the version's rounds (``ChainAcceptance``: per-position conditional
   acceptance, each position shrunk toward the one before it while it has few rounds, so an
   untried longer chain is predicted from the positions before it; ``BudgetAcceptance`` for
@@ -34,7 +38,10 @@ from dataclasses import dataclass, field, replace
 
 from specray.serving.cost_table import CostTable
 
-DECAY = 0.995  # per round: acceptance and overhead estimates follow about the last 200 rounds
+DECAY = 0.995  # per round: acceptance estimates follow about the last 200 rounds
+OVERHEAD_WINDOW = 20  # rounds a (batch, size) overhead averages over
+POOL_WEIGHT = 4.0  # pseudo-rounds pulling a (batch, size) overhead toward its batch size's pooled mean
+MARGIN = 0.02  # a speculative size must predict this much more than a plain step
 PRIOR_ACCEPT = 0.5  # position 1's conditional acceptance before any round (optimistic enough to try)
 SHRINK = 4.0  # pseudo-rounds pulling a position's estimate toward the position before it
 
@@ -122,7 +129,7 @@ class RoundChooser:
     max_speculative_batch: int | None = None
     static: bool = False  # always the largest size (a fixed setting, for comparison)
     explore_every: int = 32
-    overhead: dict[tuple[int, int], float] = field(default_factory=dict)
+    overhead: dict[tuple[int, int], tuple[int, float]] = field(default_factory=dict)  # (rounds, mean seconds)
     outcomes: dict[tuple[int, int], _Outcome] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -151,6 +158,8 @@ class RoundChooser:
             return self.sizes[-1]
         rates = {s: tokens / seconds for s in (0, *self.sizes) for tokens, seconds in [self.predict(batch, s)]}
         best = max(rates, key=lambda s: (rates[s], -s))  # ties: the smaller round
+        if rates[best] < rates[0] * (1 + MARGIN):
+            best = 0
         if best == 0:
             self._plain_run += 1
             if self._plain_run % self.explore_every == 0:
@@ -169,8 +178,9 @@ class RoundChooser:
         outcome.tokens += tokens
         outcome.seconds += seconds
         residual = seconds - self.table.seconds(batch, 1 + size)
-        old = self.overhead.get((batch, size))
-        self.overhead[batch, size] = residual if old is None else 0.8 * old + 0.2 * residual
+        n, mean = self.overhead.get((batch, size), (0, 0.0))
+        n = min(n + 1, OVERHEAD_WINDOW)
+        self.overhead[batch, size] = (n, mean + (residual - mean) / n)
         if size:
             for n, r in zip(num_drafts, accepted):
                 if self.budgets is None:
@@ -179,16 +189,19 @@ class RoundChooser:
                     self.budgets.record(size, n, r)
 
     def _overhead(self, batch: int, size: int) -> float:
-        """The learned overhead of (batch, size); an unseen pair borrows the nearest size's at the
-        same batch, else the nearest batch's scaled by the batch ratio (rounds borrow from rounds,
-        plain steps from plain steps), else 0."""
-        if (batch, size) in self.overhead:
-            return self.overhead[batch, size]
-        kind = [(b, s, v) for (b, s), v in self.overhead.items() if (s > 0) == (size > 0)]
-        if not kind:
+        """The overhead of (batch, size): its running mean shrunk toward the pooled mean (module doc)."""
+        cells = dict(self.overhead)
+        kind = {(b, s): c for (b, s), c in cells.items() if (s > 0) == (size > 0)}
+        same = [c for (b, _), c in kind.items() if b == batch]
+        if same:
+            pooled = sum(n * mean for n, mean in same) / sum(n for n, _ in same)
+        elif kind:
+            (b, _), (_, mean) = min(kind.items(), key=lambda kv: (abs(kv[0][0] - batch), abs(kv[0][1] - size)))
+            pooled = mean * batch / b
+        else:
             return 0.0
-        b, _, v = min(kind, key=lambda k: (abs(k[0] - batch), abs(k[1] - size), k[1]))
-        return v * batch / b
+        n, mean = cells.get((batch, size), (0, 0.0))
+        return (n * mean + POOL_WEIGHT * pooled) / (n + POOL_WEIGHT)
 
     def snapshot(self) -> dict[tuple[int, int], _Outcome]:
         """The outcomes so far (for ``report(since=...)``: what a later stretch of rounds did)."""

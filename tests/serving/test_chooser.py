@@ -178,3 +178,14 @@ def test_noisy_timings_never_make_more_rows_cheaper():
                   entries=[CostEntry(batch=b, rows=r, seconds=v) for (b, r), v in noisy.items()])
     assert [t.seconds(1, r) for r in (1, 2, 4)] == [0.03, 0.03, 0.05]
     assert [t.seconds(2, r) for r in (1, 2, 4)] == [0.03, 0.04, 0.05]
+
+
+def test_one_lucky_round_is_pooled_with_the_batch_sizes_others():
+    cost = table(lambda b, r: 0.02 * b)
+    chooser = RoundChooser(cost, (1, 2, 3))
+    for _ in range(20):
+        chooser.record(1, 3, 0.02 + 0.06, [3], [0], 1)  # drafting costs 60 ms here
+    chooser.record(1, 2, 0.02, [2], [0], 1)  # one round of size 2 that drafted in no time
+    overhead = chooser.predict(1, 2)[1] - cost.seconds(1, 3)
+    assert 0.03 < overhead < 0.06  # pulled toward its batch size's pooled 57 ms, not 0
+    assert chooser.predict(1, 1)[1] - cost.seconds(1, 2) == pytest.approx((20 * 0.06 + 0) / 21)  # unseen: the pool
