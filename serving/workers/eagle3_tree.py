@@ -4,7 +4,7 @@ longest accepted path is committed.
 
 A round for a request whose target cache holds ``n`` rows, anchor ``a`` (no KV yet), drafter state
 ``s`` (as in ``serving/workers/eagle3.py``), node budget ``size``, ``w = min(top_k, size)``,
-depth cap ``d = min(num_speculative_tokens, size)``:
+depth cap ``d = min(depth, size)``:
 
     expand   depth 1: the w most likely tokens under head(s); each depth e < d: the w best
              depth-e nodes (the frontier) each run one drafter row (parent's output state, its
@@ -39,31 +39,34 @@ from specray.serving.tree import accept_trees, select_tree, tree_layout
 from specray.serving.workers.base import StepOutput
 from specray.serving.workers.eagle3 import Eagle3Worker
 
-DEFAULT_DEPTH = 6  # num_speculative_tokens: the longest path a tree may hold
+DEFAULT_DEPTH = 6  # the longest path a tree may hold
 DEFAULT_TOP_K = 4  # children per expanded node, and the frontier's width
-DEFAULT_MAX_NODES = 16  # the largest node budget (verify rows beyond the anchor); CPU-sized
-NODE_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # the sizes offered, up to max_nodes
+DEFAULT_MAX_NODES = 16  # num_speculative_tokens: the largest node budget (rows beyond the anchor); CPU-sized
+NODE_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # the sizes offered, up to the largest
 
 
 class Eagle3TreeWorker(Eagle3Worker):
-    """EAGLE-3 drafter, EAGLE-2 trees. ``num_speculative_tokens`` = the depth cap (default 6),
-    ``top_k`` = children per expanded node and frontier width (default 4), ``max_nodes`` = the
-    largest node budget (default 16). ``verify_sizes`` = the ``NODE_BUDGETS`` up to ``max_nodes``
-    (and ``max_nodes`` itself), no more than a full-width tree holds; ``step(..., size)`` verifies
-    a tree of ``size`` nodes beyond the anchor (0: a plain step)."""
+    """EAGLE-3 drafter, EAGLE-2 trees. ``num_speculative_tokens`` = the largest node budget, the
+    drafts one round verifies as for a chain (default 16; vLLM and SGLang count tree nodes the
+    same way), ``depth`` = the depth cap (default 6), ``top_k`` = children per expanded node and
+    frontier width (default 4). ``verify_sizes`` = the ``NODE_BUDGETS`` up to the largest (and
+    the largest itself), no more than a full-width tree holds; ``step(..., size)`` verifies a
+    tree of ``size`` nodes beyond the anchor (0: a plain step)."""
 
     verify_layout = "tree"
 
     def __init__(self, runner: LlamaRunner, drafter: Eagle3Drafter, *, num_speculative_tokens: int | None = None,
-                 top_k: int | None = None, max_nodes: int | None = None):
-        depth = DEFAULT_DEPTH if num_speculative_tokens is None else num_speculative_tokens
+                 top_k: int | None = None, depth: int | None = None):
+        max_nodes = DEFAULT_MAX_NODES if num_speculative_tokens is None else num_speculative_tokens
+        depth = DEFAULT_DEPTH if depth is None else depth
         top_k = DEFAULT_TOP_K if top_k is None else top_k
-        max_nodes = DEFAULT_MAX_NODES if max_nodes is None else max_nodes
         draft_vocab = drafter.config.draft_vocab_size or drafter.config.vocab_size
         if not 1 <= top_k <= draft_vocab:
             raise ValueError(f"top_k must be in [1, {draft_vocab}] (the drafter's vocabulary), got {top_k}")
-        if max_nodes < 1:
-            raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
+        if max_nodes < 1 or depth < 1:
+            raise ValueError(f"num_speculative_tokens (the largest node budget) and depth must be >= 1, got "
+                             f"{max_nodes} and {depth}")
+        depth = min(depth, max_nodes)  # a path of more nodes than the budget never fits
         # the depth cap (the engine's chooser reads it) and the width, before the base class sizes its cache
         self.max_depth, self.top_k = depth, top_k
         super().__init__(runner, drafter, num_speculative_tokens=depth)

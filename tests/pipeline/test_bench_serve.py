@@ -204,3 +204,15 @@ def test_bench_serve_real_vllm(smollm2):
     assert {r["system"] for r in result["runs"]} >= {"vllm-ar", "vllm-ngram"}
     assert result["vllm"]["mismatches_vs_specray_ar"]["vllm-ar"] == {"1": 0}
     assert result["speedup_ar_vs_vllm_ar"] > 0
+
+
+def test_bench_serve_puts_trees_beside_the_chain(debug_target, no_vllm, tmp_path):
+    """``--tree``: the drafter's tree worker, its chain, and a static node budget, in one run."""
+    export = _export(tmp_path, debug_target, "eagle3")
+    result = bench_serve(target_name="debug", drafter_dir=export, dataset="mtbench", num_prompts=2, max_tokens=5,
+                         batch_sizes=(1,), transformers=False, speculation="static", tree=True, static_sizes=(2,))
+    rounds = {r["system"]: r["rounds"]["rounds_by_size"] for r in result["runs"] if r.get("rounds")}
+    assert set(rounds) == {"specray-drafter", "specray-drafter-chain", "specray-drafter-k2"}
+    assert rounds["specray-drafter-chain"].keys() == {"3"} and rounds["specray-drafter-k2"].keys() == {"2"}
+    assert rounds["specray-drafter"].keys() == {str(result["num_speculative_tokens"])}  # the largest node budget
+    assert result["tree"] is True and result["greedy_match"] == 1.0

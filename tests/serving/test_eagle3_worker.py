@@ -248,7 +248,7 @@ def test_tree_worker_sizes_and_options(debug_target):
     worker = _tree_worker(debug_target, _drafter(debug_target))
     assert worker.verify_layout == "tree" and worker.verify_sizes == (1, 2, 3, 4, 6, 8, 12, 16)
     assert worker.max_verify_rows == 17
-    worker = _tree_worker(debug_target, _drafter(debug_target), num_speculative_tokens=2, top_k=2, max_nodes=64)
+    worker = _tree_worker(debug_target, _drafter(debug_target), depth=2, top_k=2, num_speculative_tokens=64)
     assert worker.verify_sizes == (1, 2, 3, 4, 6)  # a full tree of depth 2, width 2: 2 + 4 nodes
     with pytest.raises(ValueError, match="top_k"):
         _tree_worker(debug_target, _drafter(debug_target, torch.arange(3)), top_k=4)
@@ -256,7 +256,7 @@ def test_tree_worker_sizes_and_options(debug_target):
 
 @pytest.mark.parametrize("size", [2, 8])
 def test_tree_greedy_equals_transformers_generate(debug_target, size):
-    worker = _tree_worker(debug_target, _drafter(debug_target), num_speculative_tokens=4, top_k=3, max_nodes=8)
+    worker = _tree_worker(debug_target, _drafter(debug_target), depth=4, top_k=3, num_speculative_tokens=8)
     prompts = [_encode(debug_target, p) for p in PROMPTS]
     tokens, rounds = _generate(worker, prompts, 16, size=size)
     for prompt, got in zip(prompts, tokens):
@@ -311,7 +311,7 @@ def _assert_target_cache_equals_a_fresh_prefill(target, worker, slot, text):
 
 def test_tree_caches_after_every_round_equal_a_fresh_prefill_of_the_accepted_text(debug_target):
     drafter = _drafter(debug_target)
-    worker = _tree_worker(debug_target, drafter, slots=2, num_speculative_tokens=3, top_k=2, max_nodes=4)
+    worker = _tree_worker(debug_target, drafter, slots=2, depth=3, top_k=2, num_speculative_tokens=4)
     prompts = [_encode(debug_target, p) for p in PROMPTS[:2]]
     history = {0: list(prompts[0]), 1: list(prompts[1])}
     logits = worker.prefill([0, 1], prompts)
@@ -344,7 +344,7 @@ def test_tree_plain_steps_stay_lossless(debug_target):
 def test_tree_sampled_rounds_keep_the_targets_distribution(debug_target, one_thread):
     """Trees of 4 nodes (top-2 children, depth 2): the anchor's two children, one grandchild each."""
     chi2, accepted = _two_sampled_tokens(debug_target, lambda drafter: _tree_worker(
-        debug_target, drafter, slots=8, num_speculative_tokens=2, top_k=2, max_nodes=4), 4)
+        debug_target, drafter, slots=8, depth=2, top_k=2, num_speculative_tokens=4), 4)
     assert chi2 < CHI2_8_P001, chi2
     assert sum(r >= 1 for r in accepted) > 0.05 * len(accepted)  # rounds accepted a child of the anchor
 
@@ -353,7 +353,7 @@ def test_tree_node_scores_equal_the_drafters_chain_over_their_path(debug_target)
     """Every generated node's cumulative log-probability equals the one the drafter gives its
     root-to-node path run as a plain causal chain of rows: the tree rows' mask (committed rows,
     ancestors, itself) and positions (depth) are right, for two requests of different lengths."""
-    worker = _tree_worker(debug_target, _drafter(debug_target), slots=2, num_speculative_tokens=4, top_k=3, max_nodes=16)
+    worker = _tree_worker(debug_target, _drafter(debug_target), slots=2, depth=4, top_k=3, num_speculative_tokens=16)
     prompts = [_encode(debug_target, p) for p in PROMPTS[:2]]
     worker.prefill([0, 1], prompts)
     worker._take_anchors([0, 1], [5, 7])
