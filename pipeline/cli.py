@@ -264,7 +264,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         result = serve_bench.bench_serve(target_name=args.target, drafter_dir=args.drafter, dataset=args.dataset,
                                    num_prompts=args.num_prompts, max_tokens=args.max_tokens,
                                    batch_sizes=tuple(args.batch_sizes), png=args.png, repeats=args.repeats,
-                                   vllm=not args.no_vllm, dtype=args.dtype, static_sizes=tuple(args.static_sizes),
+                                   vllm=not args.no_vllm, transformers=not args.no_transformers, dtype=args.dtype, static_sizes=tuple(args.static_sizes),
                                    **_speculation_options(args))
         table = serve_bench.serve_table(result)
     elif args.benchmark == "load":
@@ -419,6 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_argument("--png", default=None, help="acceptance-by-position plot")
     bench_serve.add_argument("--repeats", type=int, default=1, help="timed passes per system (median; order alternates)")
     bench_serve.add_argument("--no-vllm", action="store_true", help="skip the vLLM runs even when vllm is importable")
+    bench_serve.add_argument("--no-transformers", action="store_true",
+                             help="skip transformers generate and prompt lookup (our systems and vLLM only)")
     _add_speculation_args(bench_serve)
     bench_serve.add_argument("--static-sizes", type=int, nargs="*", default=[],
                              help="also time the drafter at these fixed round sizes (specray-drafter-kN), to compare "

@@ -408,13 +408,15 @@ def serve_table(result: dict) -> str:
     for r in result["runs"]:
         tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
         lines.append(f"{r['system']:<20} {r['batch_size']:>5} {r['tokens_per_s']:>9.1f} {tau:>6}  {_rounds_text(r.get('rounds'))}")
-    lines.append(f"specray AR vs transformers generate: {result['speedup_ar_vs_hf_generate']:.2f}x "
-                 f"(median of {result['repeats']}; greedy mismatches vs generate at batch 1: "
-                 f"{result['ar_mismatches_vs_hf_generate']})")
+    if result["speedup_ar_vs_hf_generate"] is not None:
+        lines.append(f"specray AR vs transformers generate: {result['speedup_ar_vs_hf_generate']:.2f}x "
+                     f"(median of {result['repeats']}; greedy mismatches vs generate at batch 1: "
+                     f"{result['ar_mismatches_vs_hf_generate']})")
     if "tau" in result:
-        lines.append(f"tau {result['tau']:.2f}; speedup vs our AR {result['speedup_vs_ar']:.2f}x, vs hf generate "
-                     f"{result['speedup_vs_hf_generate']:.2f}x; bound ratio {result['bound_ratio']:.2f}; "
-                     f"greedy match {result['greedy_match']:.2f}")
+        versus_hf = result["speedup_vs_hf_generate"]
+        lines.append(f"tau {result['tau']:.2f}; speedup vs our AR {result['speedup_vs_ar']:.2f}x"
+                     + (f", vs hf generate {versus_hf:.2f}x" if versus_hf is not None else "")
+                     + f"; bound ratio {result['bound_ratio']:.2f}; greedy match {result['greedy_match']:.2f}")
         lines.append("accept by position " + " ".join(f"{a:.2f}" for a in result["accept_rate_by_pos"]))
         if result["round_ms"]:
             lines.append("ms per speculative round: " + ", ".join(f"{k} {v:.1f}" for k, v in result["round_ms"].items()))

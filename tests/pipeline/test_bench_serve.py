@@ -216,3 +216,16 @@ def test_bench_serve_puts_trees_beside_the_chain(debug_target, no_vllm, tmp_path
     assert rounds["specray-drafter-chain"].keys() == {"3"} and rounds["specray-drafter-k2"].keys() == {"2"}
     assert rounds["specray-drafter"].keys() == {str(result["num_speculative_tokens"])}  # the largest node budget
     assert result["tree"] is True and result["greedy_match"] == 1.0
+
+
+def test_bench_serve_cli_without_the_peers(debug_target, no_vllm, tmp_path, capsys):
+    """``--no-transformers --no-vllm``: our systems only, and the table still prints."""
+    from specray.pipeline.cli import main
+
+    export = _export(tmp_path, debug_target, "dflash")
+    assert main(["bench", "serve", "--target", "debug", "--drafter", export, "--num-prompts", "2",
+                 "--max-tokens", "4", "--batch-sizes", "1", "--no-transformers", "--no-vllm",
+                 "--json", str(tmp_path / "s.json")]) == 0
+    result = json.loads((tmp_path / "s.json").read_text())
+    assert {r["system"] for r in result["runs"]} == {"specray-ar", "specray-drafter"}
+    assert result["speedup_ar_vs_hf_generate"] is None and "speedup vs our AR" in capsys.readouterr().out
