@@ -156,7 +156,7 @@ def bench_serve(*, target_name: str, drafter_dir: str | None, dataset: str, num_
             systems, vllm_info["drafter"] = vllm_systems(drafter_dir, target, k, tmp)
             vllm_runs, vllm_outputs, details = _bench_vllm(
                 resolve_target_dir(target_name), encoded, max_tokens, batch_sizes, repeats,
-                target.tokenizer.eos_token_id, systems, ours)
+                target.tokenizer.eos_token_id, systems, ours, dtype)
         runs += vllm_runs
         outputs.update(vllm_outputs)
         vllm_info.update(details)
@@ -307,9 +307,11 @@ def vllm_systems(drafter_dir: str | None, target, k: int | None, tmp: str) -> tu
 
 def _bench_vllm(model_dir: Path, encoded: list[list[int]], max_tokens: int, batch_sizes: tuple[int, ...],
                 repeats: int, eos: int, systems: dict[str, dict | None],
-                ours: dict[str, Callable[[int], Callable[[], _Generated]]]) -> tuple[list[dict], dict, dict]:
-    """Each of ``systems`` (fp32, greedy, on the same token ids), timed interleaved with its
-    counterpart of ``ours`` (name -> ``batch`` -> a timed system): (runs, outputs, details)."""
+                ours: dict[str, Callable[[int], Callable[[], _Generated]]],
+                dtype: str = "float32") -> tuple[list[dict], dict, dict]:
+    """Each of ``systems`` (in our target's ``dtype``, greedy, on the same token ids), timed
+    interleaved with its counterpart of ``ours`` (name -> ``batch`` -> a timed system): (runs,
+    outputs, details)."""
     env = {**VLLM_ENV, "OMP_NUM_THREADS": str(torch.get_num_threads())}
     for key, value in env.items():
         os.environ.setdefault(key, value)
@@ -321,7 +323,7 @@ def _bench_vllm(model_dir: Path, encoded: list[list[int]], max_tokens: int, batc
     runs, outputs, paired = [], {}, {}
     for system, spec in systems.items():
         counterpart = PAIRED_WITH.get(system, "specray-ar")
-        llm = vllm.LLM(model=str(model_dir), dtype="float32", seed=0, max_model_len=2048, skip_tokenizer_init=True,
+        llm = vllm.LLM(model=str(model_dir), dtype=dtype, seed=0, max_model_len=2048, skip_tokenizer_init=True,
                        disable_log_stats=False, speculative_config=spec)
         llm.generate([{"prompt_token_ids": encoded[0]}], vllm.SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
         for batch in batch_sizes:
