@@ -111,7 +111,8 @@ def test_a_failed_step_fails_its_requests_and_the_loop_keeps_serving(debug_targe
 def test_hot_load_keeps_each_request_on_its_version(debug_target, drafters):
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     ar = Engine(debug_target, None, max_batch=2, max_len=256).generate(PROMPTS[:2], params)
-    engine = Engine(debug_target, str(drafters[1]), max_batch=2, max_len=256, drafter_version=1)
+    # static rounds: both versions speculate every step, so each has acceptance by position to report
+    engine = Engine(debug_target, str(drafters[1]), max_batch=2, max_len=256, drafter_version=1, speculation="static")
     first = engine.submit(PROMPTS[0], params)
     engine.step(), engine.step()
     assert engine.load_drafter(drafters[2], 2).result(timeout=60) == 2
