@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 
 from specray.serving.cost_table import CostTable
 
-DECAY = 0.995  # per round: acceptance estimates follow about the last 200 rounds
+DECAY = 0.995  # per request-round recorded: acceptance estimates follow about the last 200 of them
 OVERHEAD_WINDOW = 20  # rounds a (batch, size) overhead averages over
 POOL_WEIGHT = 4.0  # pseudo-rounds pulling a (batch, size) overhead toward its batch size's pooled mean
 MARGIN = 0.02  # a speculative size must predict this much more than a plain step

@@ -177,7 +177,7 @@ def _cpu_name() -> str:
 def profile(target: Target, *, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, rows: tuple[int, ...] = DEFAULT_ROWS,
             context_tokens: int = DEFAULT_CONTEXT_TOKENS, repeats: int = 5, progress=None) -> CostTable:
     """Time ``target``'s serving forward (a ``LlamaRunner``) on every ``(batch, rows)`` of the grid."""
-    runner = LlamaRunner(target.model, num_slots=max(batch_sizes), max_len=context_tokens + max(rows))
+    runner = LlamaRunner(target.model, num_slots=1, max_len=context_tokens + max(rows))  # the twin has the slots
     return profile_runner(runner, describe_machine(target), batch_sizes=batch_sizes, rows=rows,
                           context_tokens=context_tokens, repeats=repeats, progress=progress)
 

@@ -68,7 +68,7 @@ class Engine:
                  max_speculative_batch: int | None = None, speculation: str = "auto", tree: bool = False,
                  cost_table: str | Path | CostTable | None = None, max_waiting: int | None = 256):
         """``num_speculative_tokens``: the largest round — at most this many drafts (a chain) or
-        tree depth (a tree) per round (None = the worker's default, e.g. DFlash's whole block;
+        tree nodes (a tree) per round (None = the worker's default, e.g. DFlash's whole block;
         each worker clamps it to what its drafter can propose). ``speculation``: "auto" (each
         round's size is chosen from the cost table and measured acceptance, ``serving/chooser.py``;
         0 = a plain step when no round pays) or "static" (always the largest). ``max_speculative_batch``:
