@@ -143,9 +143,21 @@ def test_online_ray_store_captures_features_lost_with_their_actor_again(ray_clus
 
 
 def _kill_driver_after_a_checkpoint(ray_cluster, manifest: str, overrides: list[str], ledger_dir, run_dir) -> None:
-    """Run ``specray pipeline run`` and SIGKILL it once the ledger in ``ledger_dir`` names a checkpoint."""
+    """Run ``specray pipeline run`` and SIGKILL it once the ledger in ``ledger_dir`` names a checkpoint.
+
+    Returns once every actor the killed driver started is dead: until Ray reaps them, its gang's
+    rank 0 may still write to the ledger, and the test would read a ledger that is still moving.
+    """
+    from ray.util.state import list_actors
+
     from specray.trainer.ledger import Ledger
 
+    def alive() -> set[tuple[str, str]]:  # Ray's own detached singletons (``_Autoscaling…``) outlive any job
+        return {(a.actor_id, a.class_name) for a in list_actors(address=ray_cluster.dashboard_url,
+                                                                filters=[("state", "=", "ALIVE")], limit=10_000)
+                if not a.class_name.startswith("_")}
+
+    others = alive()
     driver = subprocess.Popen(["specray", "pipeline", "run", "-q", manifest, *overrides,
                                f"ray.address={ray_cluster.address}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
@@ -159,6 +171,10 @@ def _kill_driver_after_a_checkpoint(ray_cluster, manifest: str, overrides: list[
         driver.kill()
         driver.wait(timeout=60)
     assert not (run_dir / "report.json").exists(), "the driver finished before it was killed: nothing was tested"
+    deadline = time.monotonic() + 120
+    while alive() - others:
+        assert time.monotonic() < deadline, f"the killed driver's actors still live after 120 s: {alive() - others}"
+        time.sleep(0.5)
 
 
 def test_online_pipeline_resumes_after_its_driver_is_killed(ray_cluster, tmp_path):
