@@ -349,13 +349,12 @@ class DFlashDrafter(DraftVocabHead, nn.Module):
             x = layer(x, positions, k, v, mask, out_rows if i == last else None)
         return self.norm(x)
 
-    def forward(self, hidden_states, context_valid, anchor_ids, anchors) -> torch.Tensor:
-        """Training forward over many blocks per sequence.
+    def block_hidden(self, hidden_states, context_valid, anchor_ids, anchors) -> torch.Tensor:
+        """The final hidden states of many blocks per sequence (training): [Bt, N, B, D].
 
         hidden_states [Bt, S, L·D] target features; context_valid [Bt, S] bool; anchor_ids
         [Bt, N] the tokens at the anchors; anchors [Bt, N] their positions (−1 = unused slot).
-        Returns logits [Bt, N, B − 1, V] (V_d with a draft vocabulary): entry ``j − 1`` of block n predicts token ``anchor + j``
-        (the anchor row predicts nothing in DFlash, so the LM head skips it).
+        Row ``k`` of block n is the block's row at position ``anchor + k``.
         """
         Bt, S, _ = hidden_states.shape
         N, B = anchors.shape[1], self.config.block_size
@@ -365,5 +364,13 @@ class DFlashDrafter(DraftVocabHead, nn.Module):
         block_ids = self.block_inputs(anchor_ids).reshape(Bt, N * B)
         positions = (anchors.clamp(min=0)[..., None] + torch.arange(B, device=anchors.device)).reshape(Bt, N * B)
         mask = block_attention_mask(anchors, context_valid, B, self.config.attention, self.config.sliding_window)
-        hidden = self.forward_block(block_ids, positions, ctx_kv, mask).view(Bt, N, B, -1)
+        return self.forward_block(block_ids, positions, ctx_kv, mask).view(Bt, N, B, -1)
+
+    def forward(self, hidden_states, context_valid, anchor_ids, anchors) -> torch.Tensor:
+        """Training forward over many blocks per sequence (arguments as ``block_hidden``).
+
+        Returns logits [Bt, N, B − 1, V] (V_d with a draft vocabulary): entry ``j − 1`` of block n predicts token ``anchor + j``
+        (the anchor row predicts nothing in DFlash, so the LM head skips it).
+        """
+        hidden = self.block_hidden(hidden_states, context_valid, anchor_ids, anchors)  # [Bt, N, B, D]
         return self.logits(hidden[:, :, 1:])
