@@ -244,8 +244,11 @@ class DFlashLayer(nn.Module):
         """``query_rows``: return only those rows (the attention still reads every row's K/V)."""
         out = self.attn(self.input_norm(x), positions, ctx_k, ctx_v, mask, query_rows)
         x = (x if query_rows is None else x[:, query_rows]) + out
-        h = self.post_norm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        return x + self.mlp(self.post_norm(x))
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        """The SwiGLU MLP of normed states h [..., D] -> [..., D]."""
+        return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
 
 def block_attention_mask(
@@ -287,6 +290,7 @@ class DFlashDrafter(DraftVocabHead, nn.Module):
     """The DFlash draft model; ``embed_tokens`` and ``lm_head`` are the target's (frozen, shared)."""
 
     algorithm = "dflash"
+    layer_class = DFlashLayer  # a variant (DFlash 2) swaps in its own decoder layer
 
     def __init__(self, config: DFlashConfig, *, embed_tokens: nn.Embedding, lm_head: nn.Linear):
         super().__init__()
@@ -299,7 +303,7 @@ class DFlashDrafter(DraftVocabHead, nn.Module):
         L, D = len(config.target_layer_ids), config.hidden_size
         self.fc = Linear(L * D, D, bias=False)  # context projection of the concatenated target layers
         self.context_norm = RMSNorm(D, config.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(D, config.rms_norm_eps)
         self._init_weights()
         # A tuple hides the shared modules from nn.Module: not parameters, not in state_dict.
