@@ -104,6 +104,7 @@ class DFlashStrategy:
 
     algorithm = "dflash"
     objective = DFlashObjective
+    model_class = DFlashDrafter  # a variant on the DFlash backbone (DFlash 2) builds its own
     evaluation = {"num_anchors": 64}  # held-out evaluation samples more blocks per sequence than a step
 
     def __init__(self, objective: DFlashObjective = DFlashObjective(), *, seed: int = 0):
@@ -120,7 +121,7 @@ class DFlashStrategy:
         (initial CE far above log V). Starting the final norm at a tenth of the target's keeps
         the first logits small; the norm learns its scale back within a few steps.
         """
-        model = DFlashDrafter(config, embed_tokens=embed_tokens, lm_head=lm_head)
+        model = self.model_class(config, embed_tokens=embed_tokens, lm_head=lm_head)
         if final_norm is not None:
             with torch.no_grad():
                 model.norm.weight.copy_(final_norm.weight * 0.1)
