@@ -167,9 +167,11 @@ class RoundChooser:
         return best
 
     def record(self, batch: int, size: int, seconds: float, num_drafts: list[int], accepted: list[int],
-               tokens: int) -> None:
+               tokens: int, *, deferred_seconds: float = 0.0) -> None:
         """One round's measurement: its wall ``seconds``, per request drafts verified and accepted
-        (requests that failed excluded), and the tokens it emitted."""
+        (requests that failed excluded), and the tokens it emitted. ``deferred_seconds`` of the
+        round did drafter work earlier plain steps owed: counted in the round's measured time,
+        not in the overhead learned for its size."""
         tokens_predicted, seconds_predicted = self.predict(batch, size)
         outcome = self.outcomes.setdefault((batch, size), _Outcome())
         outcome.rounds += 1
@@ -177,7 +179,7 @@ class RoundChooser:
         outcome.predicted_seconds += seconds_predicted
         outcome.tokens += tokens
         outcome.seconds += seconds
-        residual = seconds - self.table.seconds(batch, 1 + size)
+        residual = seconds - deferred_seconds - self.table.seconds(batch, 1 + size)
         n, mean = self.overhead.get((batch, size), (0, 0.0))
         n = min(n + 1, OVERHEAD_WINDOW)
         self.overhead[batch, size] = (n, mean + (residual - mean) / n)

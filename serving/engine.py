@@ -309,7 +309,8 @@ class Engine:
             else:
                 version.stats.plain_steps += 1
         if version.chooser:
-            version.chooser.record(len(group), size, seconds, drafts, accepted_ok, emitted)
+            version.chooser.record(len(group), size, seconds, drafts, accepted_ok, emitted,
+                                   deferred_seconds=out.deferred_seconds)
         return emitted
 
     @staticmethod

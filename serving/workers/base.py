@@ -50,6 +50,10 @@ class StepOutput:
     ``accepted`` the accepted path's length. A request that failed alone (non-finite logits,
     ``serving/sampling.py``) has an error, no tokens, and must not be stepped again: the engine
     fails it and releases its slot; the other requests' state is intact.
+
+    ``deferred_seconds``: the part of the step's wall time spent on drafter work earlier plain
+    steps deferred (``serving/workers/deferred.py``), which the chooser does not charge to this
+    step's size.
     """
 
     tokens: list[list[int]]  # [B][r_b + 1] emitted tokens per request ([] when it failed)
@@ -57,15 +61,17 @@ class StepOutput:
     accepted: list[int]  # [B] r: drafts accepted, 0 <= r <= num_drafts
     speculative: bool  # a round of the algorithm (False: a plain step taken instead)
     errors: list[BaseException | None] = field(default_factory=list)  # [B]; [] = none failed
+    deferred_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         self.errors = self.errors or [None] * len(self.tokens)
         assert len(self.num_drafts) == len(self.accepted) == len(self.errors) == len(self.tokens)
 
     @classmethod
-    def plain(cls, tokens: list[list[int]], errors: list[BaseException | None] | None = None) -> StepOutput:
+    def plain(cls, tokens: list[list[int]], errors: list[BaseException | None] | None = None,
+              deferred_seconds: float = 0.0) -> StepOutput:
         """A plain step: one target row per request, no drafts."""
-        return cls(tokens, [0] * len(tokens), [0] * len(tokens), False, errors or [])
+        return cls(tokens, [0] * len(tokens), [0] * len(tokens), False, errors or [], deferred_seconds)
 
 
 @runtime_checkable
@@ -97,7 +103,9 @@ class Worker(Protocol):
         """One round of ``size`` for every request (0: a plain step): ``anchors[b]`` is request
         b's last emitted token (no KV yet), ``params[b]`` its ``SamplingParams``, ``generators[b]``
         its ``torch.Generator``. Commits the rows of the emitted prefix (``[a, d1 .. dr]``) in
-        every cache."""
+        the target cache and in the worker's caches — a plain step may defer its drafter-side
+        rows (``serving/workers/deferred.py``) to the next round of size >= 1, which runs them
+        before it drafts."""
         ...
 
     def release(self, slot: int) -> None:

@@ -27,6 +27,7 @@ from specray.serving.sampling import process
 from specray.serving.verify import accept_chains
 from specray.serving.workers.ar import ar_step, prefill_target
 from specray.serving.workers.base import StepOutput
+from specray.serving.workers.deferred import DeferredRows
 
 
 class DFlashWorker:
@@ -40,8 +41,10 @@ class DFlashWorker:
     The engine's chooser picks k per round (``serving/chooser.py``).
 
     A round of size 0 is a *plain* step — no draft, one target row per request (the anchor), the
-    next token sampled from it exactly as the AR worker does — while both caches still commit
-    that row, so speculation resumes with the right context whenever the chooser speculates again.
+    next token sampled from it exactly as the AR worker does. The target cache commits that row;
+    the drafter's context owes it (``serving/workers/deferred.py``) until ``catch_up`` projects
+    every owed row in one batch, which the next round of size >= 1 does first: speculation
+    resumes on the context step-by-step commits would have built.
     """
 
     verify_layout = "chain"
@@ -57,10 +60,12 @@ class DFlashWorker:
         k = m if num_speculative_tokens is None else min(num_speculative_tokens, m)
         self.verify_sizes = tuple(range(1, k + 1))
         self.runner, self.drafter, self.cfg = runner, drafter, cfg
-        cache = runner.cache
-        self.context = SlotKVCache(num_layers=cfg.num_layers, num_slots=cache.num_slots, max_len=cache.max_len,
-                                   num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                                   dtype=drafter.fc.weight.dtype)
+        cache, dtype = runner.cache, drafter.fc.weight.dtype
+        self.deferred = DeferredRows(num_slots=cache.num_slots, width=drafter.fc.weight.shape[1], dtype=dtype)
+        # a catch-up writes each slot's owed rows padded to the longest: room past max_len for the padding
+        self.context = SlotKVCache(num_layers=cfg.num_layers, num_slots=cache.num_slots,
+                                   max_len=cache.max_len + self.deferred.capacity, num_kv_heads=cfg.num_kv_heads,
+                                   head_dim=cfg.head_dim, dtype=dtype)
         self.block_size = cfg.block_size
         self.phase_seconds = {"draft": 0.0, "verify": 0.0, "accept": 0.0, "commit": 0.0}
         self.steps = 0  # speculative rounds (plain steps are not timed)
@@ -71,13 +76,17 @@ class DFlashWorker:
 
     def release(self, slot: int) -> None:
         self.context.release(slot)
+        self.deferred.release(slot)
 
     def stats(self) -> dict:
         return {"steps": self.steps, "phase_seconds": dict(self.phase_seconds)}
 
-    def _commit_context(self, slots: list[int], hidden: dict[int, torch.Tensor], rows: list[int]) -> None:
-        """Project the target hidden of each request's first ``rows[b]`` rows into draft K/V."""
-        feats = torch.cat([hidden[i] for i in self.cfg.target_layer_ids], dim=-1)  # [B, T, L*D]
+    def _features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The runner's captured layers -> the drafter's context features [B, T, L*D]."""
+        return torch.cat([hidden[i] for i in self.cfg.target_layer_ids], dim=-1)
+
+    def _commit_context(self, slots: list[int], feats: torch.Tensor, rows: list[int]) -> None:
+        """Project the features [B, T, L*D] of each request's first ``rows[b]`` rows into draft K/V."""
         start = self.context.committed[torch.tensor(slots)]
         positions = start[:, None] + torch.arange(feats.shape[1])
         with torch.inference_mode():
@@ -90,8 +99,18 @@ class DFlashWorker:
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
         """Run the prompts, commit them in both caches; returns last-row logits [B, V]."""
         logits, out = prefill_target(self.runner, slots, prompts)
-        self._commit_context(slots, out.hidden, [len(p) for p in prompts])
+        for slot in slots:
+            self.deferred.release(slot)
+        self._commit_context(slots, self._features(out.hidden), [len(p) for p in prompts])
         return logits
+
+    def catch_up(self, slots: list[int]) -> float:
+        """Project every context row ``slots`` owe from plain steps, in one batch; returns its seconds."""
+        start = time.perf_counter()
+        held, feats, _, rows = self.deferred.take(slots)
+        if held:
+            self._commit_context(held, feats, rows)
+        return time.perf_counter() - start
 
     @torch.inference_mode()
     def propose(self, slots: list[int], anchors: list[int], params, generators, k: int):
@@ -129,6 +148,7 @@ class DFlashWorker:
             return self._plain_step(slots, anchors, params, generators)
         if size not in self.verify_sizes:
             raise ValueError(f"round size {size} is not one of this worker's verify_sizes {self.verify_sizes}")
+        owed = self.catch_up(slots)
         t0 = time.perf_counter()
         drafts, qs = self.propose(slots, anchors, params, generators, size)  # [B, k], per request [k, V] or None
         verify_ids = torch.cat([torch.tensor(anchors)[:, None], drafts], dim=1)  # [B, k + 1]
@@ -141,15 +161,16 @@ class DFlashWorker:
         rows = [len(tokens) for tokens in result.tokens]  # commit [a, d1 … dr]: r + 1 rows (0 if it failed)
         for slot, n in zip(slots, rows):
             self.runner.cache.commit(slot, n)
-        self._commit_context(slots, out.hidden, rows)
+        self._commit_context(slots, self._features(out.hidden), rows)
         t4 = time.perf_counter()
-        for phase, seconds in zip(self.phase_seconds, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+        for phase, seconds in zip(self.phase_seconds, (t1 - t0, t2 - t1, t3 - t2, t4 - t3 + owed)):
             self.phase_seconds[phase] += seconds
         self.steps += 1
-        return StepOutput(result.tokens, [M - 1] * B, result.accepted, True, result.errors)
+        return StepOutput(result.tokens, [M - 1] * B, result.accepted, True, result.errors, deferred_seconds=owed)
 
     def _plain_step(self, slots: list[int], anchors: list[int], params, generators) -> StepOutput:
-        """One target row per request: the AR step, plus the drafter context of that row."""
+        """One target row per request: the AR step; the drafter context owes that row."""
+        owed = self.catch_up(slots) if self.deferred.full(slots) else 0.0
         tokens, errors, out = ar_step(self.runner, slots, anchors, params, generators)
-        self._commit_context(slots, out.hidden, [1] * len(slots))
-        return StepOutput.plain(tokens, errors)
+        self.deferred.push(slots, self._features(out.hidden)[:, 0])
+        return StepOutput.plain(tokens, errors, deferred_seconds=owed)

@@ -22,6 +22,10 @@ rows ``0 … n−1`` (the last one paired ``g_{n−1}`` with ``a``):
 After the round the drafter's cache and state are exactly those a fresh prefill of the accepted
 text followed by its first anchor gives (tested): the chain's self-fed rows are scratch, never
 committed, and every committed row was computed from target-confirmed features and tokens.
+
+The drafter rows a plain step (or the first anchor) makes known — a target row's features and
+the token after it — are owed (``serving/workers/deferred.py``) until ``catch_up`` runs them in
+one batch, which a round of size >= 1 does before it drafts.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from specray.serving.sampling import process
 from specray.serving.verify import accept_chains
 from specray.serving.workers.ar import ar_step, prefill_target
 from specray.serving.workers.base import StepOutput
+from specray.serving.workers.deferred import DeferredRows
 
 DEFAULT_NUM_DRAFTS = 3  # k when the engine does not set num_speculative_tokens
 
@@ -46,8 +51,8 @@ class Eagle3Worker:
     ``verify_sizes`` = ``1 … k``, the chain lengths the engine may pick per round.
 
     ``step(..., size=0)`` is a *plain* step (one target row per request, the next token sampled as
-    the AR worker does), after which the drafter extends its cache by that row, so speculation
-    resumes with the right state on the next round."""
+    the AR worker does); the drafter owes the row (features and the token after it) until the next
+    round of size >= 1 catches up, so speculation resumes with the state step-by-step extends build."""
 
     verify_layout = "chain"
 
@@ -61,11 +66,13 @@ class Eagle3Worker:
         self.verify_sizes = tuple(range(1, k + 1))  # chain lengths a round may verify
         self.runner, self.drafter, self.cfg = runner, drafter, cfg
         slots, dtype = runner.cache.num_slots, drafter.fc.weight.dtype
-        self.cache = SlotKVCache(num_layers=cfg.num_layers, num_slots=slots,
-                                 max_len=runner.cache.max_len + self._scratch_rows(), num_kv_heads=cfg.num_kv_heads,
-                                 head_dim=cfg.head_dim, dtype=dtype)
+        self.deferred = DeferredRows(num_slots=slots, width=drafter.fc.weight.shape[1], dtype=dtype)
+        # scratch past max_len: the round's own rows, and a catch-up's padding to the longest owed run
+        scratch = max(self._scratch_rows(), self.deferred.capacity)
+        self.cache = SlotKVCache(num_layers=cfg.num_layers, num_slots=slots, max_len=runner.cache.max_len + scratch,
+                                 num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype)
         self.state = torch.zeros(slots, cfg.hidden_size, dtype=dtype)  # [slots, D] output of the last row
-        self.pending = torch.zeros(slots, cfg.hidden_size, dtype=dtype)  # [slots, D] g of the row awaiting its token
+        self.pending = torch.zeros(slots, drafter.fc.weight.shape[1], dtype=dtype)  # [slots, L·D] features of the row awaiting its token
         self.has_pending = torch.zeros(slots, dtype=torch.bool)
         self.phase_seconds = {"draft": 0.0, "verify": 0.0, "accept": 0.0, "commit": 0.0}
         self.steps = 0
@@ -83,14 +90,19 @@ class Eagle3Worker:
 
     def release(self, slot: int) -> None:
         self.cache.release(slot)
+        self.deferred.release(slot)
         self.has_pending[slot] = False
 
     # -- the drafter's rows ---------------------------------------------------------------
 
+    def _features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The runner's captured layers -> their concatenated features [B, T, L·D]."""
+        return torch.cat([hidden[i] for i in self.cfg.target_layer_ids], dim=-1)
+
     def _target_state(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
         """The runner's captured layers -> fused target states g [B, T, D]."""
         with torch.inference_mode():
-            return self.drafter.fuse(torch.cat([hidden[i] for i in self.cfg.target_layer_ids], dim=-1))
+            return self.drafter.fuse(self._features(hidden))
 
     @torch.inference_mode()
     def _rows(self, slots: torch.Tensor, start: torch.Tensor, state: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -131,14 +143,26 @@ class Eagle3Worker:
                 self.cache.commit(slot, n)
                 self.state[slot] = out[b, n - 1]
 
-    def _take_anchors(self, slots: list[int], anchors: list[int]) -> None:
-        """Pair each pending target state (the last prompt row) with its next token, the anchor."""
+    def _take_anchors(self, slots: list[int], anchors: list[int]) -> float:
+        """Pair each pending target row (the last prompt row) with its next token, the anchor: a
+        row the drafter owes. Returns the seconds spent catching up a slot that owed ``capacity``."""
         waiting = [b for b, slot in enumerate(slots) if self.has_pending[slot]]
-        if waiting:
-            chosen = [slots[b] for b in waiting]
-            self._extend(chosen, self.pending[chosen][:, None], torch.tensor([[anchors[b]] for b in waiting]),
-                         [1] * len(chosen))
-            self.has_pending[chosen] = False
+        if not waiting:
+            return 0.0
+        chosen = [slots[b] for b in waiting]
+        owed = self.catch_up(chosen) if self.deferred.full(chosen) else 0.0
+        self.deferred.push(chosen, self.pending[chosen], torch.tensor([anchors[b] for b in waiting]))
+        self.has_pending[chosen] = False
+        return owed
+
+    def catch_up(self, slots: list[int]) -> float:
+        """Run every drafter row ``slots`` owe, in one batch; returns its seconds."""
+        start = time.perf_counter()
+        held, feats, tokens, rows = self.deferred.take(slots)
+        if held:
+            with torch.inference_mode():
+                self._extend(held, self.drafter.fuse(feats), tokens, rows)
+        return time.perf_counter() - start
 
     # -- the protocol ---------------------------------------------------------------------
 
@@ -147,12 +171,13 @@ class Eagle3Worker:
         g_{n−1} pending. Returns the last rows' logits [B, V]."""
         logits, out = prefill_target(self.runner, slots, prompts)
         ids, lengths = pad_rows(prompts)
-        g = self._target_state(out.hidden)  # [B, T, D]
+        feats = self._features(out.hidden)  # [B, T, L·D]
         for slot in slots:
             self.release(slot)
-        self._extend(slots, g[:, :-1], ids[:, 1:], (lengths - 1).tolist())
+        with torch.inference_mode():
+            self._extend(slots, self.drafter.fuse(feats[:, :-1]), ids[:, 1:], (lengths - 1).tolist())
         slot_t = torch.tensor(slots)
-        self.pending[slot_t] = g[torch.arange(len(slots)), lengths - 1]
+        self.pending[slot_t] = feats[torch.arange(len(slots)), lengths - 1].to(self.pending.dtype)
         self.has_pending[slot_t] = True
         return logits
 
@@ -187,11 +212,12 @@ class Eagle3Worker:
         """One draft → verify → accept → commit → extend round of ``size`` drafts per request
         (``size`` in ``verify_sizes``; 0: a plain step). Wall-clock time per phase accumulates
         in ``phase_seconds``."""
-        self._take_anchors(slots, anchors)
+        owed = self._take_anchors(slots, anchors)
         if size == 0:
-            return self._plain_step(slots, anchors, params, generators)
+            return self._plain_step(slots, anchors, params, generators, owed)
         if size not in self.verify_sizes:
             raise ValueError(f"size {size} is not a verify size of this worker {self.verify_sizes} (or 0: a plain step)")
+        owed += self.catch_up(slots)
         t0 = time.perf_counter()
         drafts, qs = self.propose(slots, params, generators, size)
         verify_ids = torch.cat([torch.tensor(anchors)[:, None], drafts], dim=1)  # [B, k + 1]
@@ -206,10 +232,10 @@ class Eagle3Worker:
             self.runner.cache.commit(slot, n)
         self._extend_emitted(slots, out.hidden, result.tokens)
         t4 = time.perf_counter()
-        for phase, seconds in zip(self.phase_seconds, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+        for phase, seconds in zip(self.phase_seconds, (t1 - t0, t2 - t1, t3 - t2, t4 - t3 + owed)):
             self.phase_seconds[phase] += seconds
         self.steps += 1
-        return StepOutput(result.tokens, [M - 1] * B, result.accepted, True, result.errors)
+        return StepOutput(result.tokens, [M - 1] * B, result.accepted, True, result.errors, deferred_seconds=owed)
 
     def _extend_emitted(self, slots: list[int], hidden: dict[int, torch.Tensor], emitted: list[list[int]]) -> None:
         """Draft extend: the target rows just committed, each paired with the token that follows
@@ -218,8 +244,14 @@ class Eagle3Worker:
         rows = [len(t) for t in emitted]
         self._extend(slots, self._target_state(hidden)[:, : tokens.shape[1]], tokens, rows)
 
-    def _plain_step(self, slots: list[int], anchors: list[int], params, generators) -> StepOutput:
-        """One target row per request (the AR step), then the drafter row of that anchor's state."""
+    def _plain_step(self, slots: list[int], anchors: list[int], params, generators, owed: float) -> StepOutput:
+        """One target row per request (the AR step); the drafter owes the row of the anchor's
+        features and the token sampled after it."""
+        if self.deferred.full(slots):
+            owed += self.catch_up(slots)
         tokens, errors, out = ar_step(self.runner, slots, anchors, params, generators)
-        self._extend_emitted(slots, out.hidden, tokens)
-        return StepOutput.plain(tokens, errors)
+        ok = [b for b, t in enumerate(tokens) if t]  # a failed request has no next token: nothing known
+        if ok:
+            self.deferred.push([slots[b] for b in ok], self._features(out.hidden)[ok, 0],
+                               torch.tensor([tokens[b][0] for b in ok]))
+        return StepOutput.plain(tokens, errors, deferred_seconds=owed)

@@ -121,11 +121,12 @@ class Eagle3TreeWorker(Eagle3Worker):
     def step(self, slots: list[int], anchors: list[int], params, generators, size: int) -> StepOutput:
         """One expand → rerank → verify → accept → commit → extend round with a budget of ``size``
         nodes per request (in ``verify_sizes``; 0: a plain step)."""
-        self._take_anchors(slots, anchors)
+        owed = self._take_anchors(slots, anchors)
         if size == 0:
-            return self._plain_step(slots, anchors, params, generators)
+            return self._plain_step(slots, anchors, params, generators, owed)
         if size not in self.verify_sizes:
             raise ValueError(f"size {size} is not a node budget of this worker {self.verify_sizes} (or 0: a plain step)")
+        owed += self.catch_up(slots)
         t0 = time.perf_counter()
         tree = select_tree(torch.tensor(anchors), *self.draft_tree(slots, params, size), size)
         layout = tree_layout(tree.parents)
@@ -143,8 +144,9 @@ class Eagle3TreeWorker(Eagle3Worker):
         hidden = {i: h.gather(1, index[..., None].expand(-1, -1, h.shape[-1])) for i, h in out.hidden.items()}
         self._extend_emitted(slots, hidden, result.tokens)
         t4 = time.perf_counter()
-        for phase, seconds in zip(self.phase_seconds, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+        for phase, seconds in zip(self.phase_seconds, (t1 - t0, t2 - t1, t3 - t2, t4 - t3 + owed)):
             self.phase_seconds[phase] += seconds
         self.steps += 1
         accepted = [max(len(path) - 1, 0) for path in result.paths]
-        return StepOutput(result.tokens, layout.depths.max(dim=1).values.tolist(), accepted, True, result.errors)
+        return StepOutput(result.tokens, layout.depths.max(dim=1).values.tolist(), accepted, True, result.errors,
+                          deferred_seconds=owed)

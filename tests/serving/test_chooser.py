@@ -189,3 +189,13 @@ def test_one_lucky_round_is_pooled_with_the_batch_sizes_others():
     overhead = chooser.predict(1, 2)[1] - cost.seconds(1, 3)
     assert 0.03 < overhead < 0.06  # pulled toward its batch size's pooled 57 ms, not 0
     assert chooser.predict(1, 1)[1] - cost.seconds(1, 2) == pytest.approx((20 * 0.06 + 0) / 21)  # unseen: the pool
+
+
+def test_deferred_drafter_work_counts_in_the_round_but_not_in_its_sizes_overhead():
+    """A round that first ran rows earlier plain steps owed (``StepOutput.deferred_seconds``) is
+    measured whole, but the overhead learned for its size excludes them."""
+    t = table(lambda b, r: 0.02 * b)
+    chooser = RoundChooser(t, (1, 2))
+    chooser.record(1, 2, t.seconds(1, 3) + 0.005 + 0.5, [2], [1], 2, deferred_seconds=0.5)
+    assert chooser.overhead[1, 2] == (1, pytest.approx(0.005))
+    assert chooser.outcomes[1, 2].seconds == pytest.approx(t.seconds(1, 3) + 0.505)

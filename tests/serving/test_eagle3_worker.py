@@ -12,6 +12,7 @@ from specray.drafters.format import save_drafter
 from specray.serving.engine import Engine
 from specray.serving.runner import LlamaRunner
 from specray.serving.sampling import SamplingParams, sample_next
+from specray.serving.workers.deferred import DeferredRows
 from specray.serving.workers.eagle3 import DEFAULT_NUM_DRAFTS, Eagle3Worker
 from specray.serving.workers.eagle3_tree import Eagle3TreeWorker
 
@@ -133,6 +134,8 @@ def _assert_drafter_state_equals_a_fresh_prefill(target, drafter, worker, slot, 
     fresh = _worker(target, drafter, slots=1)
     fresh.prefill([0], [text[:-1]])
     fresh._take_anchors([0], [text[-1]])
+    fresh.catch_up([0])
+    worker.catch_up([slot])  # rows owed by plain steps: what the next round runs first
     n = int(fresh.cache.committed[0])
     assert n == len(text) - 1 == int(worker.cache.committed[slot]) == int(worker.runner.cache.committed[slot])
     for layer in range(drafter.config.num_layers):
@@ -161,11 +164,15 @@ def test_drafter_cache_after_every_round_equals_a_fresh_prefill_of_the_accepted_
 
 
 def test_plain_steps_keep_the_drafter_state_and_stay_lossless(debug_target):
+    """Plain steps owe drafter rows; a slot owing ``capacity`` catches up before the next push,
+    and after the last catch-up the drafter's state is a fresh prefill's."""
     drafter = _drafter(debug_target)
     worker = _worker(debug_target, drafter, k=2, slots=2)
+    worker.deferred = DeferredRows(num_slots=2, width=drafter.fc.weight.shape[1], dtype=torch.float32, capacity=4)
     prompts = [_encode(debug_target, p) for p in PROMPTS[:2]]
     tokens, rounds = _generate(worker, prompts, 6, release=False, size=0)
     assert not any(step.speculative for step in rounds) and worker.stats()["steps"] == 0
+    assert worker.deferred.count[:2].tolist() == [2, 2]  # the first anchor's row + 5 plain rows: 4 caught up
     for prompt, got in zip(prompts, tokens):
         assert _to_eos(debug_target, got) == _hf_greedy(debug_target, prompt, 6)
         _assert_drafter_state_equals_a_fresh_prefill(debug_target, drafter, worker, prompts.index(prompt), prompt + got)
@@ -177,6 +184,7 @@ def test_sampled_drafts_come_from_the_q_handed_to_verification(debug_target):
     prompts = [_encode(debug_target, p) for p in PROMPTS[:2]]
     worker.prefill([0, 1], prompts)
     worker._take_anchors([0, 1], [5, 7])
+    worker.catch_up([0, 1])
     params = [SamplingParams(temperature=1.0), SamplingParams()]
     drafts, qs = worker.propose([0, 1], params, [torch.Generator().manual_seed(0), None], 3)
     assert drafts.shape == (2, 3) and torch.isin(drafts, vocab).all()
@@ -357,6 +365,7 @@ def test_tree_node_scores_equal_the_drafters_chain_over_their_path(debug_target)
     prompts = [_encode(debug_target, p) for p in PROMPTS[:2]]
     worker.prefill([0, 1], prompts)
     worker._take_anchors([0, 1], [5, 7])
+    worker.catch_up([0, 1])
     tokens, parents, scores = worker.draft_tree([0, 1], [SamplingParams()] * 2, 16)
     assert tokens.shape == (2, 3 + 3 * 9)  # depth 1: 3 nodes; depths 2..4: 3 frontier nodes x 3 children
     for b in (0, 1):

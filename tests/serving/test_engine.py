@@ -8,6 +8,7 @@ from specray.serving.engine import Engine
 from specray.serving.requests import encode_prompt
 from specray.serving.sampling import SamplingParams
 from specray.serving.workers import StepOutput, Worker
+from specray.serving.workers.deferred import DeferredRows
 
 PROMPTS = ["Hi", "Tell me about dragons and castles.", "1 2 3 4 5 6", "A much longer prompt " * 6]
 
@@ -263,9 +264,9 @@ def test_max_speculative_batch_takes_plain_steps_above_it_and_stays_lossless(deb
         Engine(debug_target, str(random_drafter), max_speculative_batch=-1)
 
 
-def test_plain_steps_keep_the_drafter_context_of_every_committed_row(debug_target, random_drafter):
-    """After plain steps the drafter's context equals the one a prefill of the same prefix builds,
-    so speculation resumes on the right context."""
+def test_plain_steps_owe_the_drafter_context_and_catch_up_to_a_prefills(debug_target, random_drafter):
+    """Plain steps leave the drafter's context rows owed; after ``catch_up`` (what the next round
+    runs first) the context equals the one a prefill of the same prefix builds."""
     engine = Engine(debug_target, str(random_drafter), max_batch=1, max_len=512, max_speculative_batch=0)
     worker = engine.worker
     prompt = engine.encode(PROMPTS[1])
@@ -276,9 +277,29 @@ def test_plain_steps_keep_the_drafter_context_of_every_committed_row(debug_targe
         assert not out.speculative and out.num_drafts == [0] and len(out.tokens[0]) == 1
         tokens += out.tokens[0]
     n = len(prompt) + 5  # the last token is the anchor: no KV yet
-    assert int(worker.context.committed[0]) == n and int(engine.runner.cache.committed[0]) == n
+    assert int(worker.context.committed[0]) == len(prompt) and int(engine.runner.cache.committed[0]) == n
+    assert worker.catch_up([0]) > 0 and int(worker.context.committed[0]) == n
     fresh = Engine(debug_target, str(random_drafter), max_batch=1, max_len=512).worker
     fresh.prefill([0], [prompt + tokens[:5]])
+    for layer in range(len(worker.context.k)):
+        torch.testing.assert_close(worker.context.k[layer, 0, :, :n], fresh.context.k[layer, 0, :, :n], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(worker.context.v[layer, 0, :, :n], fresh.context.v[layer, 0, :, :n], rtol=1e-4, atol=1e-5)
+
+
+def test_dflash_plain_steps_past_the_capacity_catch_up_and_end_on_a_prefills_context(debug_target, random_drafter):
+    engine = Engine(debug_target, str(random_drafter), max_batch=1, max_len=512, max_speculative_batch=0)
+    worker = engine.worker
+    worker.deferred = DeferredRows(num_slots=1, width=worker.deferred.values.shape[-1], dtype=torch.float32, capacity=3)
+    prompt = engine.encode(PROMPTS[1])
+    tokens = [int(worker.prefill([0], [prompt])[0].argmax())]
+    for _ in range(7):
+        tokens += worker.step([0], [tokens[-1]], [SamplingParams()], [None], 0).tokens[0]
+    assert int(worker.context.committed[0]) == len(prompt) + 6 and int(worker.deferred.count[0]) == 1
+    worker.step([0], [tokens[-1]], [SamplingParams()], [None], worker.verify_sizes[0])  # a round catches up first
+    n = int(engine.runner.cache.committed[0])
+    assert int(worker.context.committed[0]) == n and int(worker.deferred.count[0]) == 0
+    fresh = Engine(debug_target, str(random_drafter), max_batch=1, max_len=512).worker
+    fresh.prefill([0], [prompt + tokens[:n - len(prompt)]])
     for layer in range(len(worker.context.k)):
         torch.testing.assert_close(worker.context.k[layer, 0, :, :n], fresh.context.k[layer, 0, :, :n], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(worker.context.v[layer, 0, :, :n], fresh.context.v[layer, 0, :, :n], rtol=1e-4, atol=1e-5)
