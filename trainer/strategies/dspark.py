@@ -1,0 +1,196 @@
+"""DSpark objective (seed §5.3–§5.4): CE on the data, L1 to the teacher, confidence against overlap.
+
+Per sequence of a TrainBatch (anchors drawn as DFlash draws them, ``strategies/dflash.py``):
+
+1. **Labels.** Block row ``k = 0 … B−1`` (at position ``a + k``) predicts ``x[a+k+1]``: labels sit at
+   offsets ``1 … B`` from the anchor, each row's previous token is ``x[a+k]`` (row 0: the anchor),
+   teacher-forced. A row is supervised while every label up to it is in the sequence and in
+   ``loss_mask`` (``M``): the first unsupervised label stops the block's supervision (a draft after
+   a gap would be verified after a token the drafter never proposed).
+2. **Teacher.** ``p_k`` is the target's frozen LM head on ``last_hidden_states`` at the label's
+   predecessor ``a + k`` (the position whose target forward predicts ``x[a+k+1]``; seed §5.3's
+   ``safe_label_indices − 1``), under no_grad: the target's probabilities over its whole
+   vocabulary, read on the draft vocabulary's rows when there is one (their sum is then < 1).
+3. **Loss.** With the drafter's corrected ``q_k``, the position weights ``w_k = exp(−k/γ)`` and
+   ``Σ_M`` a sum over supervised rows::
+
+       L_CE   = −Σ_M w_k log q_k(x[a+k+1]) / Σ_M w_k        (labels inside the draft vocabulary)
+       L_L1   =  Σ_M w_k ‖p_k − q_k‖₁ / Σ_M w_k              (mass of p outside V_d counts in full)
+       c*_k   =  1 − ½‖p_k − q_k‖₁, detached                 (the expected acceptance, seed §5.3)
+       L_conf =  Σ_M w_k BCE(c_k, c*_k) / Σ_M w_k
+       L      = (α L_CE + β L_L1 + λ L_conf) / (α + β + λ)    defaults α, β, λ = 0.1, 0.9, 1.0
+
+   The target is detached so the confidence loss cannot move its own label; the L1 term still
+   trains the drafter's q.
+
+Metric sums (they add over micro-batches, steps and ranks): per position the supervised count,
+the top-1 correct count (of the corrected logits), CE over the labels inside the draft vocabulary,
+the overlap ``Σ c*``, the confidence ``Σ c``, and a calibration histogram (confidence bins ×
+count / Σ c / Σ c*) from which ``summarize`` computes the expected calibration error per
+position; plus the teacher-forced accepted length (``tau_tf − 1``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import nn
+
+from specray.drafters.dspark import DSparkConfig, DSparkDrafter
+from specray.trainer.loader import TrainBatch
+from specray.trainer.strategies.dflash import DFlashStrategy, block_labels, position_weights, sample_anchors
+
+
+class DSparkObjective(BaseModel):
+    """The manifest's ``objective`` section when ``drafter.algorithm`` is dspark."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_anchors: int = Field(16, gt=0, description="blocks sampled per sequence per step")
+    gamma: float = Field(4.0, gt=0, description="position-weight decay w_k = exp(-k/gamma), k = 0 … B-1")
+    ce_weight: float = Field(0.1, ge=0, description="weight of the CE on data tokens")
+    l1_weight: float = Field(0.9, ge=0, description="weight of the L1 between teacher p and draft q")
+    confidence_weight: float = Field(1.0, ge=0, description="weight of the confidence BCE against c* = 1 - |p-q|_1/2")
+    calibration_bins: int = Field(10, gt=0, description="confidence bins of the expected calibration error metric")
+
+    @model_validator(mode="after")
+    def _some_weight(self) -> "DSparkObjective":
+        if self.ce_weight + self.l1_weight + self.confidence_weight <= 0:
+            raise ValueError("objective: ce_weight + l1_weight + confidence_weight must be > 0 (defaults 0.1/0.9/1.0)")
+        return self
+
+
+def dspark_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, block_size: int):
+    """Labels [Bt, N, B] (token at anchor + k + 1), previous tokens [Bt, N, B] (token at anchor + k)
+    and supervision [Bt, N, B] (stopping at the block's first unsupervised label)."""
+    labels, supervised = block_labels(input_ids, loss_mask, anchors, block_size + 1)  # offsets 1 … B
+    anchor_ids = torch.gather(input_ids, 1, anchors.clamp(min=0))  # [Bt, N]
+    prev_ids = torch.cat([anchor_ids[..., None], labels[..., :-1]], dim=-1)
+    supervised = torch.cumprod(supervised.long(), dim=-1).bool()
+    return labels, prev_ids, supervised
+
+
+@torch.no_grad()
+def teacher(drafter: DSparkDrafter, last_hidden: torch.Tensor, positions: torch.Tensor,
+            rows: torch.Tensor) -> torch.Tensor:
+    """The target's probabilities p [Bt, N, B, V_d] (float32, 0 where not ``rows``) of the token after
+    each of ``positions`` [Bt, N, B]: its LM head on last_hidden [Bt, T, D] there, softmax over the
+    whole vocabulary, read on the draft vocabulary's rows."""
+    weight, bias = drafter.head()  # [V_d, D]
+    p = torch.zeros(*positions.shape, weight.shape[0], device=last_hidden.device)
+    batch_index = torch.arange(positions.shape[0], device=positions.device)[:, None, None].expand_as(positions)
+    with torch.autocast(last_hidden.device.type, enabled=False):
+        y = last_hidden[batch_index[rows], positions[rows]].float()  # [R, D]
+        logits = F.linear(y, weight.float(), None if bias is None else bias.float())  # [R, V_d]
+        if drafter.draft_vocab is None:
+            norm = logits.logsumexp(-1)
+        else:
+            full_bias = drafter.lm_head.bias
+            norm = F.linear(y, drafter.lm_head.weight.float(),
+                            None if full_bias is None else full_bias.float()).logsumexp(-1)  # [R]
+        p[rows] = (logits - norm[:, None]).exp()
+    return p
+
+
+def overlap_l1(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """‖p − q‖₁ per row over the whole vocabulary, p/q [..., V_d] (q sums to 1 on V_d; p's mass
+    outside V_d, ``1 − Σ p``, is all difference) -> [...]."""
+    return (p - q).abs().sum(-1) + (1.0 - p.sum(-1)).clamp(min=0.0)
+
+
+def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Σ w·v / Σ w (0, still in the graph, when no weight)."""
+    denom = weights.sum()
+    return (values * weights).sum() / denom if denom > 0 else values.sum() * 0.0
+
+
+class DSparkStrategy(DFlashStrategy):
+    """Builds the DSpark drafter and computes its loss and metrics on a TrainBatch."""
+
+    algorithm = "dspark"
+    objective = DSparkObjective
+    evaluation = {"num_anchors": 64}  # held-out evaluation samples more blocks per sequence than a step
+
+    def __init__(self, objective: DSparkObjective = DSparkObjective(), *, seed: int = 0):
+        super().__init__(objective, seed=seed)
+        self.weights = (objective.ce_weight, objective.l1_weight, objective.confidence_weight)
+        self.bins = objective.calibration_bins
+
+    def build_model(self, config: DSparkConfig, *, embed_tokens: nn.Embedding, lm_head: nn.Linear,
+                    final_norm: nn.Module | None = None) -> DSparkDrafter:
+        """A fresh drafter; its final norm starts at a tenth of the target's (``DFlashStrategy.build_model``)."""
+        model = DSparkDrafter(config, embed_tokens=embed_tokens, lm_head=lm_head)
+        if final_norm is not None:
+            with torch.no_grad():
+                model.norm.weight.copy_(final_norm.weight * 0.1)
+        return model
+
+    def forward_loss(self, model: nn.Module, config: DSparkConfig, batch: TrainBatch, generator: torch.Generator):
+        """(loss, metric sums) for one micro-batch; ``model`` may be DDP-wrapped."""
+        if batch.last_hidden_states is None:
+            raise ValueError("DSpark trains on the target's last_hidden_states: capture the features with "
+                             "capture.algorithm=dspark")
+        B = config.block_size
+        drafter = getattr(model, "module", model)  # unwrap DDP
+        anchors = sample_anchors(batch.loss_mask, self.num_anchors, generator)  # [Bt, N]
+        labels, prev_ids, supervised = dspark_labels(batch.input_ids, batch.loss_mask, anchors, B)  # [Bt, N, B]
+        predecessors = anchors.clamp(min=0)[..., None] + torch.arange(B, device=anchors.device)  # [Bt, N, B]
+        p = teacher(drafter, batch.last_hidden_states, predecessors, supervised)  # [Bt, N, B, V_d]
+        logits, conf_logits = model(batch.hidden_states, batch.attention_mask, prev_ids[..., 0], anchors, prev_ids)
+        log_q = F.log_softmax(logits.float(), dim=-1)  # [Bt, N, B, V_d]
+        draft_labels = drafter.target_to_draft(labels)  # = labels without a draft vocabulary
+        covered = supervised & (draft_labels >= 0)
+        w = position_weights(B + 1, self.gamma).to(logits.device) * supervised  # [Bt, N, B]
+        ce = -log_q.gather(-1, draft_labels.clamp(min=0)[..., None]).squeeze(-1)
+        l1 = overlap_l1(p, log_q.exp())
+        c_star = (1.0 - 0.5 * l1).clamp(0.0, 1.0).detach()
+        bce = F.binary_cross_entropy_with_logits(conf_logits.float(), c_star, reduction="none")
+        terms = (weighted_mean(ce, w * covered), weighted_mean(l1, w), weighted_mean(bce, w))
+        loss = sum(a * t for a, t in zip(self.weights, terms)) / sum(self.weights)
+        with torch.no_grad():
+            correct = (drafter.draft_to_target(logits.argmax(-1)) == labels) & supervised
+            metrics = self._sums(correct, supervised, covered, ce, c_star, torch.sigmoid(conf_logits.float()))
+        return loss, metrics
+
+    def _sums(self, correct, supervised, covered, ce, c_star, confidence) -> dict[str, torch.Tensor]:
+        """Per-position metric sums of [Bt, N, B] rows (module docstring)."""
+        accepted = torch.cumprod(correct.long(), dim=-1).sum(-1)  # leading correct rows per block
+        has_first = supervised[..., 0]
+        B = supervised.shape[-1]
+        bins = (confidence * self.bins).long().clamp(max=self.bins - 1)  # [Bt, N, B]
+        flat = (torch.arange(B, device=bins.device) * self.bins + bins)[supervised]  # position-major bin index
+        histogram = {name: torch.zeros(B * self.bins, dtype=torch.float64, device=bins.device).index_add_(
+            0, flat, values[supervised].double()).view(B, self.bins)
+            for name, values in (("cal_count", torch.ones_like(confidence)), ("cal_conf", confidence),
+                                 ("cal_target", c_star))}
+        return {
+            "count": supervised.sum((0, 1)).double(),  # [B]
+            "correct": correct.sum((0, 1)).double(),  # [B]
+            "ce": (ce.detach() * covered).sum((0, 1)).double(),  # [B]
+            "covered": covered.sum((0, 1)).double(),  # [B] labels inside the draft vocabulary
+            "overlap": (c_star * supervised).sum((0, 1)).double(),  # [B]
+            "confidence": (confidence * supervised).sum((0, 1)).double(),  # [B]
+            **histogram,  # [B, bins] each
+            "blocks": has_first.sum().double().reshape(1),
+            "accepted": (accepted * has_first).sum().double().reshape(1),
+        }
+
+    @staticmethod
+    def summarize(sums: dict[str, torch.Tensor]) -> dict:
+        """Accumulated sums -> per-position accuracy, CE, overlap, confidence and calibration error, tau_tf."""
+        count = sums["count"].clamp(min=1)
+        blocks = sums["blocks"].clamp(min=1)
+        gap = (sums["cal_conf"] - sums["cal_target"]).abs().sum(-1)  # [B]
+        return {
+            "acc_by_pos": (sums["correct"] / count).tolist(),
+            "ce_by_pos": (sums["ce"] / sums["covered"].clamp(min=1)).tolist(),
+            "overlap_by_pos": (sums["overlap"] / count).tolist(),
+            "confidence_by_pos": (sums["confidence"] / count).tolist(),
+            "ece_by_pos": (gap / count).tolist(),
+            "ece": float(gap.sum() / count.sum()),
+            "coverage": float(sums["covered"].sum() / count.sum()),
+            "acc": float(sums["correct"].sum() / count.sum()),
+            "tau_tf": float(1 + sums["accepted"].sum() / blocks.sum()),
+            "blocks": int(sums["blocks"].sum()),
+        }
