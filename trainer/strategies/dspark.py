@@ -110,21 +110,13 @@ class DSparkStrategy(DFlashStrategy):
 
     algorithm = "dspark"
     objective = DSparkObjective
+    model_class = DSparkDrafter  # built as DFlash builds its drafter (final norm at a tenth of the target's)
     evaluation = {"num_anchors": 64}  # held-out evaluation samples more blocks per sequence than a step
 
     def __init__(self, objective: DSparkObjective = DSparkObjective(), *, seed: int = 0):
         super().__init__(objective, seed=seed)
         self.weights = (objective.ce_weight, objective.l1_weight, objective.confidence_weight)
         self.bins = objective.calibration_bins
-
-    def build_model(self, config: DSparkConfig, *, embed_tokens: nn.Embedding, lm_head: nn.Linear,
-                    final_norm: nn.Module | None = None) -> DSparkDrafter:
-        """A fresh drafter; its final norm starts at a tenth of the target's (``DFlashStrategy.build_model``)."""
-        model = DSparkDrafter(config, embed_tokens=embed_tokens, lm_head=lm_head)
-        if final_norm is not None:
-            with torch.no_grad():
-                model.norm.weight.copy_(final_norm.weight * 0.1)
-        return model
 
     def forward_loss(self, model: nn.Module, config: DSparkConfig, batch: TrainBatch, generator: torch.Generator):
         """(loss, metric sums) for one micro-batch; ``model`` may be DDP-wrapped."""
