@@ -17,7 +17,7 @@ model.safetensors + export.json) of any registered drafter.
 (``get_drafter``) with the list of implemented ones.
 """
 
-from specray.drafters import dflash, dflash2, eagle3
+from specray.drafters import dflash, dflash2, dspark, eagle3
 from specray.drafters.common import DrafterSpec
 
 ALGORITHMS = ("eagle3", "dflash", "dspark", "dflash2")
@@ -27,6 +27,7 @@ DRAFTERS: dict[str, DrafterSpec] = {
     "dflash": DrafterSpec(section=dflash.DFlashSection, config=dflash.DFlashConfig, model=dflash.DFlashDrafter,
                           debug_config=dflash.debug_config),
     "dflash2": DrafterSpec(dflash2.DFlash2Section, dflash2.DFlash2Config, dflash2.DFlash2Drafter, dflash2.debug_config),
+    "dspark": DrafterSpec(dspark.DSparkSection, dspark.DSparkConfig, dspark.DSparkDrafter, dspark.debug_config),
     "eagle3": DrafterSpec(eagle3.Eagle3Section, eagle3.Eagle3Config, eagle3.Eagle3Drafter, eagle3.debug_config),
 }
 

@@ -23,9 +23,10 @@ from __future__ import annotations
 from specray.drafters import ALGORITHMS, DRAFTERS
 from specray.trainer.strategies.dflash import DFlashStrategy
 from specray.trainer.strategies.dflash2 import DFlash2Strategy
+from specray.trainer.strategies.dspark import DSparkStrategy
 from specray.trainer.strategies.eagle3 import Eagle3Strategy
 
-STRATEGIES = {"dflash": DFlashStrategy, "dflash2": DFlash2Strategy, "eagle3": Eagle3Strategy}
+STRATEGIES = {"dflash": DFlashStrategy, "dflash2": DFlash2Strategy, "dspark": DSparkStrategy, "eagle3": Eagle3Strategy}
 
 
 def implemented() -> list[str]:
