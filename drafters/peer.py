@@ -29,6 +29,12 @@ Weights, ours -> peer (speculators 0.9.0 ``DFlashDraftModel`` / ``Eagle3DraftMod
     norm.weight                               norm.weight
     layers.N.attn.block_key_bias              (none: refused unless all zero)
 
+    DFlash 2 (``DFlash2DraftModel``): DFlash's names, and the convolutions and the selector under
+    the same names as ours (drafters/dflash2.py): layers.N.{attention,mlp}_conv.base_kernel,
+    layers.N.{attention,mlp}_conv.kernel_projection.weight, candidate_selector.{predecessor,
+    successor}_codebook, candidate_selector.hidden_projection.weight. No draft vocabulary
+    (speculators' DFlash 2 predicts over the target's vocabulary only).
+
     EAGLE-3: the drafter's module names are the peer's (drafters/eagle3.py), fc.weight's input
     blocks reordered as for DFlash.
 
@@ -163,6 +169,34 @@ PEER_LAYOUTS: dict[str, PeerLayout] = {
         refusals=lambda arch, state: [],
     ),
 }
+
+
+def _dflash2_refusals(arch: dict, state: dict[str, torch.Tensor]) -> list[str]:
+    reasons = _dflash_refusals(arch, state)
+    if arch.get("draft_vocab_size") is not None:
+        reasons.append("drafter.draft_vocab_size: speculators' DFlash 2 predicts over the target's whole vocabulary; "
+                       "train with drafter.draft_vocab_size=null to export it as speculators, or serve it with specray")
+    return reasons
+
+
+def _dflash2_fields(arch: dict) -> dict:
+    # K is capped at the vocabulary here (drafters/dflash2.py); the peer refuses a larger selector_top_k
+    return {**_dflash_fields(arch), "conv_kernel_size": arch["conv_kernel_size"],
+            "conv_group_size": arch["conv_group_size"], "selector_rank": arch["selector_rank"],
+            "selector_top_k": min(arch["selector_top_k"], arch["vocab_size"])}
+
+
+PEER_LAYOUTS["dflash2"] = PeerLayout(
+    model_type="dflash2", peer_architecture="DFlash2DraftModel", layer_ids_field="aux_hidden_state_layer_ids",
+    writes_target_head=False,
+    renames=PEER_LAYOUTS["dflash"].renames + (
+        (r"layers\.(\d+)\.(attention_conv|mlp_conv)\.(base_kernel|kernel_projection\.weight)", r"layers.\1.\2.\3"),
+        (r"candidate_selector\.(predecessor_codebook|successor_codebook|hidden_projection\.weight)",
+         r"candidate_selector.\1"),
+    ),
+    layer_config=Qwen3Config, fields=_dflash2_fields, speculative_tokens=PEER_LAYOUTS["dflash"].speculative_tokens,
+    refusals=_dflash2_refusals,
+)
 
 
 def peer_layer_ids(layer_ids: list[int]) -> list[int]:

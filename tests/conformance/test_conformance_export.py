@@ -118,6 +118,28 @@ def _dflash_logits(model, path, target, monkeypatch):
     return ours, logits.view(1, len(anchors), B, -1)[:, :, 1:]
 
 
+def _dflash2_logits(model, path, target, monkeypatch):
+    """DFlash's blocks: the unary logits, and the same with each position's K candidates rescored by the
+    selector after given predecessors: [2, 1, N, B−1, V] each."""
+    from speculators.models import dflash as peer_dflash
+    from speculators.models.dflash2 import DFlash2DraftModel
+
+    peer = _peer_model(DFlash2DraftModel, path)
+    S, B, anchors = 24, model.config.block_size, torch.tensor([3, 9, 15])
+    hidden, ascending, ids = _features(target, model.config.target_layer_ids, S)
+    g = torch.Generator().manual_seed(4)
+    predecessors = torch.randint(0, target.vocab_size, (1, len(anchors), B - 1), generator=g)  # [1, N, m]
+    out = model(hidden, torch.ones(1, S, dtype=torch.bool), ids[:, anchors], anchors[None], predecessors)
+    monkeypatch.setattr(peer_dflash.core, "select_anchors",
+                        lambda loss_mask, n, block: (anchors, torch.ones(n, dtype=torch.bool)))
+    h, logits, *_ = peer._backbone_forward(ascending, ids, torch.ones(1, S), torch.randn(1, S, target.hidden_size),
+                                           torch.zeros(1, S, dtype=torch.long), max_anchors=len(anchors))
+    logits, h = logits.view(1, len(anchors), B, -1)[:, :, 1:], h.view(1, len(anchors), B, -1)[:, :, 1:]
+    scores = peer.candidate_selector.score_candidates(logits, h, predecessors, model.draft_to_target(out.candidates))
+    return (torch.stack([out.logits, out.logits.scatter(-1, out.candidates, out.scores)]),
+            torch.stack([logits, logits.scatter(-1, out.candidates, scores)]))
+
+
 def _eagle3_logits(model, path, target, monkeypatch):
     """Three training-time-test steps (the later ones fed the drafter's own states): [steps, S, V_d] each."""
     from speculators.models.eagle3 import Eagle3DraftModel
@@ -141,17 +163,22 @@ class PeerParity:
 
     ``logits(model, peer_dir, target, monkeypatch) -> (ours, theirs)`` on the same inputs;
     ``expressible``: config overrides the peer can express (the parity runs with them);
-    ``refused``: overrides (on top of those) that the export must refuse.
+    ``refused``: overrides (on top of those) that the export must refuse;
+    ``draft_vocab``: whether the peer expresses a draft vocabulary (False: an export with one is refused).
     """
 
     logits: Callable
     expressible: dict = field(default_factory=dict)
     refused: tuple[dict, ...] = ()
+    draft_vocab: bool = True
 
 
 PEER_PARITY = {
     "dflash": PeerParity(_dflash_logits, expressible={"block_key_bias": 0.0},
                          refused=({"block_key_bias": 4.0}, {"attention": "sliding", "sliding_window": 8})),
+    "dflash2": PeerParity(_dflash2_logits, expressible={"block_key_bias": 0.0},
+                          refused=({"block_key_bias": 4.0}, {"attention": "sliding", "sliding_window": 8}),
+                          draft_vocab=False),
     "eagle3": PeerParity(_eagle3_logits),
 }
 
@@ -189,6 +216,11 @@ def test_peer_export_matches_the_speculators_model(debug_target, algorithm, voca
     assert algorithm in PEER_PARITY, (f"{algorithm} has a speculators layout (drafters/peer.py) but no parity "
                                       "harness: add it to PEER_PARITY in tests/conformance/test_conformance_export.py")
     case = PEER_PARITY[algorithm]
+    if draft_vocab is not None and not case.draft_vocab:
+        model = _peer_drafter(algorithm, debug_target, case.expressible, draft_vocab)
+        with pytest.raises(PeerFormatError, match="cannot be exported in the speculators format"):
+            write_peer_export(export(model, debug_target, tmp_path / "export"), tmp_path / "peer", target=debug_target)
+        return
     for i, refused in enumerate(case.refused):
         model = _peer_drafter(algorithm, debug_target, {**case.expressible, **refused}, draft_vocab)
         with pytest.raises(PeerFormatError, match="cannot be exported in the speculators format"):
