@@ -35,6 +35,11 @@ Weights, ours -> peer (speculators 0.9.0 ``DFlashDraftModel`` / ``Eagle3DraftMod
     successor}_codebook, candidate_selector.hidden_projection.weight. No draft vocabulary
     (speculators' DFlash 2 predicts over the target's vocabulary only).
 
+    DSpark (``DSparkDraftModel``, ``sample_from_anchor`` true: every block row drafts, the anchor's
+    too): DFlash's names, and the heads under the same names as ours (drafters/dspark.py):
+    markov_head.markov_w1.weight [V, r] (target ids), markov_head.markov_w2.weight [V_d, r],
+    markov_head.{gate_proj,joint_proj}.{weight,bias} (gated / rnn), confidence_head.proj.{weight,bias}.
+
     EAGLE-3: the drafter's module names are the peer's (drafters/eagle3.py), fc.weight's input
     blocks reordered as for DFlash.
 
@@ -196,6 +201,25 @@ PEER_LAYOUTS["dflash2"] = PeerLayout(
     ),
     layer_config=Qwen3Config, fields=_dflash2_fields, speculative_tokens=PEER_LAYOUTS["dflash"].speculative_tokens,
     refusals=_dflash2_refusals,
+)
+
+
+def _dspark_fields(arch: dict) -> dict:
+    return {**_dflash_fields(arch), "sample_from_anchor": True, "markov_rank": arch["markov_rank"],
+            "markov_head_type": arch["markov_head_type"], "enable_confidence_head": True,
+            "confidence_head_with_markov": arch["confidence_head_with_markov"]}
+
+
+PEER_LAYOUTS["dspark"] = PeerLayout(
+    model_type="dspark", peer_architecture="DSparkSpeculator", layer_ids_field="aux_hidden_state_layer_ids",
+    writes_target_head=False,
+    renames=PEER_LAYOUTS["dflash"].renames + (
+        (r"markov_head\.(markov_w1|markov_w2|gate_proj|joint_proj)\.(weight|bias)", r"markov_head.\1.\2"),
+        (r"confidence_head\.proj\.(weight|bias)", r"confidence_head.proj.\1"),
+    ),
+    layer_config=Qwen3Config, fields=_dspark_fields,
+    speculative_tokens=lambda arch: arch["block_size"],  # m = B: the anchor row drafts too
+    refusals=_dflash_refusals,
 )
 
 

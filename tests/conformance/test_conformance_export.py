@@ -140,6 +140,31 @@ def _dflash2_logits(model, path, target, monkeypatch):
             torch.stack([logits, logits.scatter(-1, out.candidates, scores)]))
 
 
+def _dspark_logits(model, path, target, monkeypatch):
+    """Blocks anchored at fixed positions, every row through the sequence head after the data's previous
+    token (the peer's whole forward, its loss replaced by a recorder): [2, 1, N, B, V_d], the corrected
+    logits and each row's confidence logit broadcast over the vocabulary."""
+    from speculators.models import dflash as peer_dflash
+    from speculators.models.dspark import DSparkDraftModel
+    from speculators.models.dspark import core as peer_dspark
+
+    peer = _peer_model(DSparkDraftModel, path)
+    S, B, anchors = 24, model.config.block_size, torch.tensor([3, 9, 15])
+    hidden, ascending, ids = _features(target, model.config.target_layer_ids, S)
+    prev = ids[:, anchors[:, None] + torch.arange(B)]  # [1, N, B]: row k follows the token at anchor + k
+    logits, confidence = model(hidden, torch.ones(1, S, dtype=torch.bool), ids[:, anchors], anchors[None], prev)
+    monkeypatch.setattr(peer_dflash.core, "select_anchors",
+                        lambda loss_mask, n, block: (anchors, torch.ones(n, dtype=torch.bool)))
+    seen = {}
+    monkeypatch.setattr(peer_dspark, "compute_metrics", lambda logits, targets, confidence, *args, **kwargs:
+                        seen.update(logits=logits, confidence=confidence) or (logits.sum(), {}))
+    peer(ascending, ids, torch.ones(1, S), torch.randn(1, S, target.hidden_size), torch.zeros(1, S, dtype=torch.long),
+         max_anchors=len(anchors))
+    theirs = seen["logits"].view(1, len(anchors), B, -1), seen["confidence"].view(1, len(anchors), B)
+    return (torch.stack([logits, confidence[..., None].expand_as(logits)]),
+            torch.stack([theirs[0], theirs[1][..., None].expand_as(theirs[0])]))
+
+
 def _eagle3_logits(model, path, target, monkeypatch):
     """Three training-time-test steps (the later ones fed the drafter's own states): [steps, S, V_d] each."""
     from speculators.models.eagle3 import Eagle3DraftModel
@@ -179,6 +204,8 @@ PEER_PARITY = {
     "dflash2": PeerParity(_dflash2_logits, expressible={"block_key_bias": 0.0},
                           refused=({"block_key_bias": 4.0}, {"attention": "sliding", "sliding_window": 8}),
                           draft_vocab=False),
+    "dspark": PeerParity(_dspark_logits, expressible={"block_key_bias": 0.0},
+                         refused=({"block_key_bias": 4.0}, {"attention": "sliding", "sliding_window": 8})),
     "eagle3": PeerParity(_eagle3_logits),
 }
 
