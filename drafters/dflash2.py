@@ -214,6 +214,7 @@ class DFlash2Drafter(DFlashDrafter):
 
     algorithm = "dflash2"
     layer_class = DFlash2Layer
+    warm_starts_from = ("dflash",)  # drafter.init_from may name a DFlash export: its backbone, these parts fresh
 
     def __init__(self, config: DFlash2Config, *, embed_tokens: nn.Embedding, lm_head: nn.Linear):
         super().__init__(config, embed_tokens=embed_tokens, lm_head=lm_head)

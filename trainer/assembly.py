@@ -110,15 +110,26 @@ def _init_from_export(model: nn.Module, model_cfg, export_dir: str, target: Targ
     The architecture must match, except the draft vocabulary size: the LM head is the target's,
     so a full-vocabulary export restricted to a draft vocabulary keeps its logits on those rows.
     The vocabulary is the export's when it has one of the configured size (``_keeps_export_vocab``),
-    else the one ``build_rank`` installs from the training manifest."""
-    from specray.drafters.format import load_drafter
+    else the one ``build_rank`` installs from the training manifest.
 
+    A *warm start*: an export of an algorithm in the model's ``warm_starts_from`` (DFlash 2 from
+    DFlash) gives the weights it has; its architecture fields must match the model's, the model's
+    own parts keep their initialisation, and its capture contract may differ in the algorithm only."""
+    from specray.drafters.format import load_drafter, read_drafter_config
+
+    source_algorithm = read_drafter_config(export_dir)["algorithm"]
+    warm = source_algorithm != model.algorithm
+    if warm and source_algorithm not in getattr(model, "warm_starts_from", ()):
+        raise ValueError(f"drafter.init_from={export_dir} is a {source_algorithm} export; a {model.algorithm} drafter "
+                         f"starts from {[model.algorithm, *getattr(model, 'warm_starts_from', ())]} exports")
+    expected = dict(json.loads(contract.to_json()), algorithm=source_algorithm)
     source = load_drafter(export_dir, embed_tokens=target.model.model.embed_tokens, lm_head=target.model.lm_head,
                           target_fingerprint=target.target_fingerprint,
-                          template_fingerprint=target.template_fingerprint, contract=json.loads(contract.to_json()))
+                          template_fingerprint=target.template_fingerprint, contract=expected)
     have, want = source.config.to_dict(), model_cfg.to_dict()
+    keys = set(have) if warm else set(have) | set(want)
     diffs = ", ".join(f"{k}: export {have.get(k)!r} vs config {want.get(k)!r}"
-                      for k in sorted(set(have) | set(want)) if have.get(k) != want.get(k) and k != "draft_vocab_size")
+                      for k in sorted(keys) if have.get(k) != want.get(k) and k != "draft_vocab_size")
     if diffs:
         raise ValueError(f"drafter.init_from={export_dir} has another architecture ({diffs}); set the drafter "
                          "section to match the export")
@@ -126,7 +137,7 @@ def _init_from_export(model: nn.Module, model_cfg, export_dir: str, target: Targ
     if have.get("draft_vocab_size") != want.get("draft_vocab_size"):
         state.pop("draft_vocab", None)
     missing, unexpected = model.load_state_dict(state, strict=False)
-    if set(missing) - {"draft_vocab"} or unexpected:
+    if (set(missing) - {"draft_vocab"} and not warm) or unexpected:
         raise ValueError(f"drafter.init_from={export_dir}: weights do not fit (missing {missing}, extra {unexpected})")
 
 
