@@ -202,24 +202,74 @@ class LlamaRunner:
             out = out.view(-1, Hkv, g * T, hd).index_select(0, plan.places)  # [B, Hkv, g*T, hd]
         return out.view(B, Hkv, g, T, hd).permute(0, 3, 1, 2, 4).reshape(B * T, H * hd)
 
+    def _decoder(self, x: torch.Tensor, attend) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The decoder layers over rows x [R, D] (``attend(i, qkv) -> [R, H*hd]`` is layer i's attention);
+        returns (the final norm's input [R, D], the captured layers' outputs, each [R, D])."""
+        D = x.shape[-1]
+        hidden: dict[int, torch.Tensor] = {}
+        for i, w in enumerate(self.layers):
+            h = F.rms_norm(x, (D,), w["in_norm"], self.eps)
+            x = w["o"](attend(i, w["qkv"](h)), residual=x)
+            gate, up = w["gate_up"](F.rms_norm(x, (D,), w["post_norm"], self.eps)).chunk(2, dim=-1)
+            x = w["down"](F.silu(gate).mul_(up), residual=x)
+            if i in self.capture_layer_ids:
+                hidden[i] = x
+        return x, hidden
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(F.rms_norm(x, (x.shape[-1],), self.final_norm, self.eps)).float()
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, slots: torch.Tensor, num_new: torch.Tensor,
                 tree: TreeLayout | None = None) -> RunnerOutput:
         """``tree``: the rows form a tree per request (``TreeLayout``), else a causal chain."""
         B, T = input_ids.shape
         plan = self._plan(slots, num_new, T, tree)
-        x = F.embedding(input_ids.reshape(-1), self.embed)  # [R, D]
-        D = x.shape[-1]
-        hidden: dict[int, torch.Tensor] = {}
-        capture = self.capture_layer_ids
-        for i, w in enumerate(self.layers):
-            h = F.rms_norm(x, (D,), w["in_norm"], self.eps)
-            qkv = w["qkv"](h)
-            x = w["o"](self._attention(i, qkv, plan), residual=x)
-            gate, up = w["gate_up"](F.rms_norm(x, (D,), w["post_norm"], self.eps)).chunk(2, dim=-1)
-            x = w["down"](F.silu(gate).mul_(up), residual=x)
-            if i in capture:
-                hidden[i] = x.view(B, T, D)
-        logits = self.lm_head(F.rms_norm(x, (D,), self.final_norm, self.eps))  # [R, V]
-        return RunnerOutput(logits.float().view(B, T, -1), hidden)
+        x, hidden = self._decoder(F.embedding(input_ids.reshape(-1), self.embed), lambda i, qkv: self._attention(i, qkv, plan))
+        return RunnerOutput(self._logits(x).view(B, T, -1), {i: h.view(B, T, -1) for i, h in hidden.items()})
 
+    @torch.inference_mode()
+    def prefill(self, prompts: list[list[int]], slots: torch.Tensor) -> RunnerOutput:
+        """Run each prompt's rows after its slot's committed ones, packed: no padding rows, and the
+        LM head only on each prompt's last row (a batch of prompts padded to the longest spends
+        most of its products on padding and on logits nobody reads). Writes their K/V as scratch.
+
+        Returns logits [B, 1, V] (each prompt's last row) and the captured layers' outputs
+        [B, T_max, D], right-padded with zeros — what ``forward`` gives for those rows."""
+        lengths = torch.tensor([len(p) for p in prompts])
+        start = self.cache.committed[slots]  # [B]
+        if int((start + lengths).max()) > self.cache.max_len:
+            raise ValueError(f"context of {int((start + lengths).max())} tokens exceeds the engine's max_len "
+                             f"{self.cache.max_len}")
+        ends = lengths.cumsum(0)  # [B] each prompt's rows are [ends - lengths, ends) of the packed R
+        positions = torch.cat([torch.arange(int(s), int(s) + len(p)) for s, p in zip(start, prompts)])  # [R]
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        spans = [(int(e - n), int(n), int(slot), int(s)) for e, n, slot, s in zip(ends, lengths, slots, start)]
+        biases = {}  # (rows, committed) -> [Hkv, g*rows, committed + rows] causal bias, shared by equal shapes
+        for _, n, _, s in spans:
+            if (n, s) not in biases:
+                biases[n, s] = self._attention_bias(torch.tensor([s]), torch.tensor([n]), n, s + n, None)
+
+        def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
+            H, Hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+            g = H // Hkv
+            qk = apply_rope_table(qkv[:, : (H + Hkv) * hd].view(-1, H + Hkv, hd), cos, sin)  # [R, H+Hkv, hd]
+            v = qkv[:, (H + Hkv) * hd :].view(-1, Hkv, hd)
+            out = []
+            for first, n, slot, s in spans:
+                rows = slice(first, first + n)
+                self.cache.k[i, slot, :, s : s + n].copy_(qk[rows, H:].transpose(0, 1))
+                self.cache.v[i, slot, :, s : s + n].copy_(v[rows].transpose(0, 1))
+                keys, values = self.cache.k[i, slot, :, : s + n], self.cache.v[i, slot, :, : s + n]  # [Hkv, s+n, hd]
+                q = qk[rows, :H].reshape(n, Hkv, g, hd).permute(1, 2, 0, 3).reshape(Hkv, g * n, hd)
+                scores = torch.baddbmm(biases[n, s], q, keys.transpose(1, 2), alpha=hd**-0.5)
+                o = torch.bmm(scores.softmax(-1), values)  # [Hkv, g*n, hd]
+                out.append(o.view(Hkv, g, n, hd).permute(2, 0, 1, 3).reshape(n, H * hd))
+            return torch.cat(out)
+
+        x, hidden = self._decoder(F.embedding(torch.cat([torch.tensor(p) for p in prompts]), self.embed), attend)
+        B, T = len(prompts), int(lengths.max())
+        rows = (torch.arange(T)[None, :] < lengths[:, None]).view(-1)  # [B*T] real rows of the padded layout
+        padded = {i: h.new_zeros(B * T, h.shape[-1]).index_copy_(0, rows.nonzero()[:, 0], h).view(B, T, -1)
+                  for i, h in hidden.items()}
+        return RunnerOutput(self._logits(x[ends - 1])[:, None], padded)

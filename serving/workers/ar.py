@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from specray.serving.runner import LlamaRunner, RunnerOutput, pad_rows
+from specray.serving.runner import LlamaRunner, RunnerOutput
 from specray.serving.sampling import NonFiniteLogitsError, sample_each
 from specray.serving.workers.base import StepOutput
 
@@ -25,12 +25,12 @@ def ar_step(runner: LlamaRunner, slots: list[int], anchors: list[int], params, g
 
 
 def prefill_target(runner: LlamaRunner, slots: list[int], prompts: list[list[int]]) -> tuple[torch.Tensor, RunnerOutput]:
-    """Run and commit the prompts in the target's KV; returns (last-row logits [B, V], the output)."""
-    ids, lengths = pad_rows(prompts)
-    out = runner.forward(ids, torch.tensor(slots), lengths)
-    for slot, n in zip(slots, lengths.tolist()):
-        runner.cache.commit(slot, n)
-    return out.logits[torch.arange(len(slots)), lengths - 1], out
+    """Run and commit the prompts in the target's KV (packed, ``LlamaRunner.prefill``); returns
+    (last-row logits [B, V], the output: its ``hidden`` [B, T_max, D] right-padded)."""
+    out = runner.prefill(prompts, torch.tensor(slots))
+    for slot, prompt in zip(slots, prompts):
+        runner.cache.commit(slot, len(prompt))
+    return out.logits[:, 0], out
 
 
 class ARWorker:

@@ -139,3 +139,33 @@ def test_decode_over_a_slot_window_with_holes_or_gathered_equals_each_request_al
         torch.testing.assert_close(out.logits[j], ref.logits[0], atol=1e-5, rtol=1e-5)
         n = int(alone.cache.committed[s]) + 1
         torch.testing.assert_close(batched.cache.k[:, s, :, :n], alone.cache.k[:, s, :, :n], atol=1e-5, rtol=1e-5)
+
+
+def test_packed_prefill_equals_the_padded_forward(debug_target):
+    """``prefill`` (packed rows, logits of last rows only) gives what ``forward`` on the right-padded
+    batch gives for the real rows: last-row logits, captured layers, and the K/V it writes — for
+    prompts of different lengths, one slot already holding committed rows."""
+    runners = [LlamaRunner(debug_target.model, num_slots=3, max_len=128, capture_layer_ids=(0, 2)) for _ in range(2)]
+    prompts = [[5, 9, 31, 7], [40, 2, 2, 8, 19, 3, 77], [12]]
+    for runner in runners:  # slot 1 holds 3 committed rows
+        runner.forward(torch.tensor([[3, 4, 5]]), torch.tensor([1]), torch.tensor([3]))
+        runner.cache.commit(1, 3)
+    slots = torch.tensor([2, 1, 0])
+    packed = runners[0].prefill(prompts, slots)
+    ids = torch.zeros(3, 7, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = torch.tensor(p)
+    lengths = torch.tensor([len(p) for p in prompts])
+    padded = runners[1].forward(ids, slots, lengths)
+    assert packed.logits.shape == (3, 1, padded.logits.shape[-1])
+    torch.testing.assert_close(packed.logits[:, 0], padded.logits[torch.arange(3), lengths - 1], atol=1e-5, rtol=1e-5)
+    for b, (slot, n) in enumerate(zip(slots.tolist(), lengths.tolist())):
+        for layer in (0, 2):
+            torch.testing.assert_close(packed.hidden[layer][b, :n], padded.hidden[layer][b, :n], atol=1e-5, rtol=1e-5)
+            assert not packed.hidden[layer][b, n:].any()  # zero padding
+        start = 3 if slot == 1 else 0
+        for cache in ("k", "v"):
+            got, want = getattr(runners[0].cache, cache), getattr(runners[1].cache, cache)
+            torch.testing.assert_close(got[:, slot, :, : start + n], want[:, slot, :, : start + n], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="exceeds the engine's max_len 128"):
+        runners[0].prefill([[1] * 126], torch.tensor([1]))
