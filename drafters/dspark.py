@@ -161,8 +161,9 @@ class ConfidenceHead(nn.Module):
         return self.proj(features).squeeze(-1)
 
 
-# pick(logits [Bt, V_d] corrected, row k) -> (draft-vocabulary indices [Bt], q [Bt, V_d] they were drawn from)
-Pick = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+# pick(logits [Bt, V_d] corrected, row k) -> (draft-vocabulary indices [Bt], q [Bt, V_d] they were drawn
+# from, or None when every row took its argmax)
+Pick = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor | None]]
 
 
 class DSparkDrafter(DFlashDrafter):
@@ -200,7 +201,7 @@ class DSparkDrafter(DFlashDrafter):
 
         hidden [Bt, k, D]: the block's first k rows; anchor_ids [Bt] (target ids); ``pick`` draws each
         row's draft from its corrected logits. Returns (drafts [Bt, k] target ids, q [Bt, k, V_d]
-        the distributions they were drawn from, confidence [Bt, k] in (0, 1))."""
+        the distributions they were drawn from (None when ``pick`` gave none), confidence [Bt, k] in (0, 1))."""
         base = self.logits(hidden)  # [Bt, k, V_d]
         prev, state = anchor_ids, self.markov_head.initial_state(hidden[:, 0])
         drafts, qs, confidence = [], [], []
@@ -212,4 +213,5 @@ class DSparkDrafter(DFlashDrafter):
             prev = self.draft_to_target(index)
             drafts.append(prev)
             qs.append(q)
-        return torch.stack(drafts, dim=1), torch.stack(qs, dim=1), torch.stack(confidence, dim=1)
+        q = None if qs[0] is None else torch.stack(qs, dim=1)
+        return torch.stack(drafts, dim=1), q, torch.stack(confidence, dim=1)

@@ -47,9 +47,11 @@ class DSparkWorker(DFlashWorker):
     @staticmethod
     def _picker(params, generators):
         """Each request's draft from its corrected logits [B, V_d]: argmax (greedy), else a draw
-        from ``process``-ed probabilities q, which verification receives."""
+        from ``process``-ed probabilities q, which verification receives (no q when all are greedy)."""
 
-        def pick(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        def pick(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+            if all(p.greedy for p in params):
+                return logits.argmax(-1), None
             index, qs = [], []
             for b, p in enumerate(params):
                 if p.greedy:
