@@ -15,7 +15,7 @@ from specray.serving.workers.dflash import DFlashWorker
 from specray.serving.workers.dflash2 import DFlash2Worker
 
 
-def _drafters(target, draft_vocab=None):
+def _drafters(target, draft_vocab=None, top_k=6):
     shared = {"embed_tokens": target.model.get_input_embeddings(), "lm_head": target.model.get_output_embeddings()}
     base = dict(hidden_size=target.hidden_size, vocab_size=target.vocab_size, target_layer_ids=(1, 4),
                 mask_token_id=0, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
@@ -27,7 +27,7 @@ def _drafters(target, draft_vocab=None):
             if p.dim() == 2:
                 p.mul_(4.0)  # drafts that depend on the context
     vocab = {} if draft_vocab is None else {"draft_vocab_size": len(draft_vocab)}
-    dflash2 = DFlash2Drafter(DFlash2Config(**base, **vocab, selector_top_k=6, selector_rank=8), **shared)
+    dflash2 = DFlash2Drafter(DFlash2Config(**base, **vocab, selector_top_k=top_k, selector_rank=8), **shared)
     dflash2.load_state_dict(dflash.state_dict(), strict=False)
     if draft_vocab is not None:
         dflash2.set_draft_vocab(draft_vocab)
@@ -94,10 +94,9 @@ def test_sampled_rounds_through_the_selector_keep_the_targets_distribution(debug
                 exact[(t1, t2)] = w1 * w2
     # a draft vocabulary of the target's candidates, so drafts are sometimes accepted
     vocab = sorted({t for pair in exact for t in pair})
-    _, drafter = _drafters(debug_target, torch.tensor(vocab))
+    _, drafter = _drafters(debug_target, torch.tensor(vocab), top_k=8)
     with torch.no_grad():
         drafter.candidate_selector.successor_codebook.normal_(0, 2.0)
-    drafter.candidate_selector.top_k = 8
     runner = LlamaRunner(debug_target.model, num_slots=8, max_len=128, capture_layer_ids=(1, 4))
     worker = DFlash2Worker(runner, drafter, num_speculative_tokens=2)
     counts: dict[tuple[int, int], int] = {}
