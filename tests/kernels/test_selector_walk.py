@@ -1,7 +1,10 @@
 """kernels/selector_walk.py: the greedy walk equals the argmax path over hand-built edge scores (not
 Viterbi), the sampled walk draws by inverse CDF from the rows it walks, and the Triton kernel equals
 the reference (run: ``pytest -q tests/kernels/test_selector_walk.py``; conftest sets TRITON_INTERPRET=1).
+On a CUDA machine, ``TRITON_INTERPRET=0 pytest -q tests/kernels -k cuda`` runs the compiled kernel.
 """
+
+import os
 
 import pytest
 import torch
@@ -46,19 +49,34 @@ def test_sampled_walk_draws_by_inverse_cdf():
     torch.testing.assert_close(q[0], torch.tensor([[0.2, 0.5, 0.3]] * 2))
 
 
-@pytest.mark.parametrize("K", [4, 16])
-def test_triton_walk_equals_the_reference(K):
+def _random_walk_inputs(R: int, m: int, K: int):
     g = torch.Generator().manual_seed(0)
-    R, m = 5, 6
     edges = torch.randn(R, m, K, K, generator=g) * 3
     edges[:, 0] = edges[:, 0, :1]  # position 0: the anchor's row repeated
-    temperature = torch.tensor([0.0, 1.0, 0.5, 0.0, 2.0])
-    u = torch.rand(R, m, generator=g)
+    temperature = torch.tensor([0.0, 1.0, 0.5, 0.0, 2.0]).repeat(R // 5 + 1)[:R].contiguous()
+    return edges, temperature, torch.rand(R, m, generator=g)
+
+
+@pytest.mark.parametrize("K", [4, 16])
+def test_triton_walk_equals_the_reference(K):
+    R, m = 5, 6
+    edges, temperature, u = _random_walk_inputs(R, m, K)
     ref_path, ref_q = selector_walk(edges, temperature, u, use_triton=False)
     tri_path, tri_q = selector_walk(edges, temperature, u, use_triton=True)
     assert torch.equal(tri_path, ref_path)
     torch.testing.assert_close(tri_q, ref_q, rtol=1e-5, atol=1e-6)
     assert torch.allclose(ref_q.sum(-1), torch.ones(R, m))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="needs a CUDA GPU and compiled Triton (TRITON_INTERPRET=0)")
+def test_triton_cuda_walk_matches_reference():
+    edges, temperature, u = _random_walk_inputs(64, 7, 16)
+    ref_path, ref_q = selector_walk(edges, temperature, u)
+    path, q = selector_walk(edges.cuda(), temperature.cuda(), u.cuda(), use_triton=True)
+    assert path.is_cuda and (path != -999).all(), "the kernel left slots unwritten"
+    assert torch.equal(path.cpu(), ref_path)
+    torch.testing.assert_close(q.cpu(), ref_q, rtol=1e-5, atol=1e-6)
 
 
 def test_input_checks():
