@@ -151,8 +151,10 @@ class DFlash2Layer(DFlashLayer):
         convolution reads the rows before each), then cut."""
         rows = None if query_rows is None else slice(0, query_rows.stop)
         h, out_delta = self.attention_conv.prepare(self.input_norm(x))
-        out = self.attn(h, positions, ctx_k, ctx_v, mask, rows)
-        x = (x if rows is None else x[:, rows]) + self.attention_conv.finish(out, out_delta[:, rows or slice(None)])
+        out = self.attn(h, positions, ctx_k, ctx_v, mask, rows)  # every row's K/V, queries of rows only
+        if rows is not None:
+            x, out_delta = x[:, rows], out_delta[:, rows]
+        x = x + self.attention_conv.finish(out, out_delta)
         h, out_delta = self.mlp_conv.prepare(self.post_norm(x))
         x = x + self.mlp_conv.finish(self.mlp(h), out_delta)
         return x if query_rows is None else x[:, query_rows]
