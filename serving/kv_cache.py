@@ -46,13 +46,26 @@ class SlotKVCache:
 
     def write(self, layer: int, slots: torch.Tensor, start: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Scratch-write ``k, v`` [B, Hkv, T, hd] at positions ``start[b] + t`` of each slot."""
-        T = k.shape[2]
+        T, hd = k.shape[2], k.shape[3]
         if int((start + T).max()) > self.max_len:
             raise ValueError(f"request exceeds the KV capacity of {self.max_len} positions")
-        # one indexed write for the whole batch: [B, 1, 1] slot × [1, Hkv, 1] head × [B, 1, T] position
-        index = (slots[:, None, None], torch.arange(k.shape[1])[None, :, None], (start[:, None] + torch.arange(T))[:, None])
-        self.k[layer].index_put_(index, k)
-        self.v[layer].index_put_(index, v)
+        index = self.flat_index(slots, start, T, heads_first=True)
+        self.k[layer].view(-1, hd).index_copy_(0, index, k.reshape(-1, hd))
+        self.v[layer].view(-1, hd).index_copy_(0, index, v.reshape(-1, hd))
+
+    def flat_index(self, slots: torch.Tensor, start: torch.Tensor, T: int, *, heads_first: bool) -> torch.Tensor:
+        """Where rows ``start[b] + t`` of every KV head of ``slots[b]`` are in one layer's K or V seen as
+        ``[slots * Hkv * max_len, hd]``: [B * Hkv * T] ordered (b, h, t) when ``heads_first``, else (b, t, h).
+
+        Writes go through ``index_copy_`` on that view: one contiguous-row copy per index, where an
+        advanced-index ``index_put_`` over (slot, head, position) runs in parallel regions that cost
+        about 0.6 ms per call on two threads at batch 16 (100× the copy)."""
+        Hkv = self.k.shape[2]
+        base = (slots[:, None] * Hkv + torch.arange(Hkv)[None, :]) * self.max_len  # [B, Hkv]
+        rows = start[:, None] + torch.arange(T)  # [B, T]
+        if heads_first:
+            return (base[:, :, None] + rows[:, None, :]).reshape(-1)
+        return (base[:, None, :] + rows[:, :, None]).reshape(-1)
 
     @staticmethod
     def index(slots: torch.Tensor) -> slice | torch.Tensor:

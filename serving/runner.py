@@ -87,7 +87,7 @@ class _Plan:
     cos: torch.Tensor  # [R, 1, hd] RoPE cosines of each row's position
     sin: torch.Tensor  # [R, 1, hd] sign-folded sines ([-sin, sin] halves)
     bias: torch.Tensor | None  # [B*Hkv, g*T, length] 0 / -inf; None when every row sees every key
-    write_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # slot [R,1], head [1,Hkv], pos [R,1]
+    write_index: torch.Tensor | None  # [R*Hkv] rows of a layer's K/V seen flat (SlotKVCache.flat_index)
     write_views: tuple[list[torch.Tensor], list[torch.Tensor]] | None  # one request: per layer [Hkv, T, hd] K, V
     keys: list[torch.Tensor] | None  # per layer [W*Hkv, length, hd] views of the slot window (SlotKVCache.window)
     values: list[torch.Tensor] | None
@@ -142,7 +142,7 @@ class LlamaRunner:
             write_views = (list(self.cache.k[:, slot, :, first : first + T].unbind(0)),
                            list(self.cache.v[:, slot, :, first : first + T].unbind(0)))
         else:
-            write_index = (slots.repeat_interleave(T)[:, None], torch.arange(Hkv)[None, :], rows_at[:, None])
+            write_index = self.cache.flat_index(slots, start, T, heads_first=False)  # [R*Hkv], rows of qk's order
         # a lone row sees every committed key and itself: no mask
         bias = None if B * T == 1 else self._attention_bias(start, num_new, T, length, tree)
         window, keys, values, places, index = self.cache.window(slots), None, None, None, None
@@ -182,8 +182,8 @@ class LlamaRunner:
             plan.write_views[0][i].copy_(qk[:, H:].transpose(0, 1))
             plan.write_views[1][i].copy_(v.transpose(0, 1))
         else:
-            self.cache.k[i].index_put_(plan.write_index, qk[:, H:])
-            self.cache.v[i].index_put_(plan.write_index, v)
+            self.cache.k[i].view(-1, hd).index_copy_(0, plan.write_index, qk[:, H:].reshape(-1, hd))
+            self.cache.v[i].view(-1, hd).index_copy_(0, plan.write_index, v.reshape(-1, hd))
         if plan.keys is not None:
             keys, values = plan.keys[i], plan.values[i]  # [W*Hkv, length, hd]
         else:
