@@ -112,12 +112,10 @@ class DFlashWorker:
             self._commit_context(held, feats, rows)
         return time.perf_counter() - start
 
-    @torch.inference_mode()
-    def propose(self, slots: list[int], anchors: list[int], params, generators, k: int):
-        """Draft k tokens per request; returns (drafts [B, k] target ids, q [k, V] or None per request).
-
-        With a draft vocabulary the drafter's distribution covers V_d tokens; ``q`` is handed to
-        verification over the target's V (zero outside), the distribution the drafts were drawn from."""
+    def block_hidden(self, slots: list[int], anchors: list[int], rows: slice) -> torch.Tensor:
+        """The drafter's block [a, MASK × m] at positions n … n+m over each request's context rows
+        < n; returns the final hidden states [B, len(rows), D] of block ``rows`` (DFlash drafts from
+        rows 1 … k; a drafter on this backbone may read others), computed only for those rows."""
         n = self.context.committed[torch.tensor(slots)]  # [B] anchor positions
         ctx_len = int(n.max())
         index = self.context.index(torch.tensor(slots))
@@ -126,8 +124,15 @@ class DFlashWorker:
         positions = n[:, None] + torch.arange(self.block_size)
         valid = torch.arange(ctx_len)[None, :] < n[:, None]
         mask = block_attention_mask(n[:, None], valid, self.block_size, self.cfg.attention, self.cfg.sliding_window)
-        rows = slice(1, k + 1)  # the drafts' rows (row 0 is the anchor)
-        logits = self.drafter.logits(self.drafter.forward_block(block, positions, ctx_kv, mask, rows))  # [B, k, V|V_d]
+        return self.drafter.forward_block(block, positions, ctx_kv, mask, rows)
+
+    @torch.inference_mode()
+    def propose(self, slots: list[int], anchors: list[int], params, generators, k: int):
+        """Draft k tokens per request; returns (drafts [B, k] target ids, q [k, V] or None per request).
+
+        With a draft vocabulary the drafter's distribution covers V_d tokens; ``q`` is handed to
+        verification over the target's V (zero outside), the distribution the drafts were drawn from."""
+        logits = self.drafter.logits(self.block_hidden(slots, anchors, slice(1, k + 1)))  # [B, k, V|V_d]
         drafts, qs = [], []
         for b, p in enumerate(params):
             if p.greedy:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import torch
 
-from specray.drafters.dflash import block_attention_mask
 from specray.kernels.selector_walk import selector_walk
 from specray.serving.workers.dflash import DFlashWorker
 
@@ -30,23 +29,11 @@ class DFlash2Worker(DFlashWorker):
     """The worker protocol (``serving/workers/base.py``) for DFlash 2: ``DFlashWorker`` whose
     proposal walks the candidate selector (its drafter is a ``DFlash2Drafter``)."""
 
-    def _draft_hidden(self, slots: list[int], anchors: list[int], k: int) -> torch.Tensor:
-        """The final normed hidden states [B, k, D] of the block's draft rows 1 … k."""
-        n = self.context.committed[torch.tensor(slots)]  # [B] anchor positions
-        ctx_len = int(n.max())
-        index = self.context.index(torch.tensor(slots))
-        ctx_kv = [self.context.read(layer, index, ctx_len) for layer in range(self.cfg.num_layers)]
-        block = self.drafter.block_inputs(torch.tensor(anchors)[:, None]).view(len(slots), self.block_size)
-        positions = n[:, None] + torch.arange(self.block_size)
-        valid = torch.arange(ctx_len)[None, :] < n[:, None]
-        mask = block_attention_mask(n[:, None], valid, self.block_size, self.cfg.attention, self.cfg.sliding_window)
-        return self.drafter.forward_block(block, positions, ctx_kv, mask, slice(1, k + 1))
-
     @torch.inference_mode()
     def propose(self, slots: list[int], anchors: list[int], params, generators, k: int):
         """Draft k tokens per request along the selector's walk; returns (drafts [B, k] target ids,
         q [k, V] or None per request), q zero outside each position's K candidates."""
-        hidden = self._draft_hidden(slots, anchors, k)  # [B, k, D]
+        hidden = self.block_hidden(slots, anchors, slice(1, k + 1))  # [B, k, D]
         unary = self.drafter.logits(hidden)  # [B, k, V | V_d]
         _, ids, lattice = self.drafter.lattice(unary, hidden, torch.tensor(anchors))  # [B, k, K], [B, k, K, K]
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)

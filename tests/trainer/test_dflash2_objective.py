@@ -103,3 +103,16 @@ def test_selector_weight_ramps_with_the_step():
     assert strategy.weight() == 1.0
     strategy.generator(30, 0)
     assert strategy.weight() == 2.0
+
+
+def test_freeze_conv_trains_everything_but_the_convolutions():
+    strategy, model, cfg = _strategy_and_model(freeze_conv=True)
+    with torch.no_grad():
+        model.candidate_selector.successor_codebook.normal_()
+    loss, _ = strategy.forward_loss(model, cfg, _batch(), strategy.generator(0, 0))
+    loss.backward()
+    convs = [p for layer in model.layers for m in (layer.attention_conv, layer.mlp_conv) for p in m.parameters()]
+    assert convs and all(not p.requires_grad and p.grad is None for p in convs)
+    assert model.fc.weight.grad.abs().sum() > 0 and model.candidate_selector.successor_codebook.grad.abs().sum() > 0
+    _, trained, _ = _strategy_and_model()
+    assert all(p.requires_grad for layer in trained.layers for p in layer.attention_conv.parameters())

@@ -16,6 +16,9 @@ reported apart. ``L = L_DFlash + λ(step) · L_sel`` with ``λ`` ramping linearl
 step; held-out evaluation uses step 0's weight for the loss, its metrics do not depend on it).
 ``selector_stop_gradient`` detaches the hidden states and unary logits the selector reads, so the
 selector term trains only the selector (the DFlash term still trains the backbone).
+``freeze_conv`` keeps the convolutions where they start (the identity, or a warm start's), and
+``selector_weight = 0`` leaves the selector untrained (its walk stays the unary argmax): the
+two ablations of which part buys what.
 
 Metric sums per draft position (what ``summarize`` turns into rates):
 
@@ -48,6 +51,9 @@ class DFlash2Objective(DFlashObjective):
     selector_ramp_steps: int = Field(0, ge=0, description="steps over which λ rises linearly from 0 (0: no ramp)")
     selector_stop_gradient: bool = Field(False, description="detach the hidden states and unary logits the "
                                                             "selector reads (its CE then trains the selector only)")
+    freeze_conv: bool = Field(False, description="keep the grouped dynamic convolutions at their initial (identity) "
+                                                 "or warm-started weights: the selector-only ablation (selector_weight=0 "
+                                                 "is the convolution-only one: an untrained selector walks the unary argmax)")
 
 
 def selector_ce(scores: torch.Tensor, candidates: torch.Tensor, labels: torch.Tensor, covered: torch.Tensor,
@@ -77,7 +83,19 @@ class DFlash2Strategy(DFlashStrategy):
         self.selector_weight = objective.selector_weight
         self.ramp_steps = objective.selector_ramp_steps
         self.stop_gradient = objective.selector_stop_gradient
+        self.freeze_conv = objective.freeze_conv
         self.step = 0
+
+    def build_model(self, config: DFlash2Config, *, embed_tokens: nn.Embedding, lm_head: nn.Linear,
+                    final_norm: nn.Module | None = None) -> DFlash2Drafter:
+        """DFlash's fresh drafter; with ``freeze_conv`` its convolutions take no gradient (the
+        optimizer holds only parameters that require one)."""
+        model = super().build_model(config, embed_tokens=embed_tokens, lm_head=lm_head, final_norm=final_norm)
+        if self.freeze_conv:
+            for layer in model.layers:
+                layer.attention_conv.requires_grad_(False)
+                layer.mlp_conv.requires_grad_(False)
+        return model
 
     def generator(self, step: int, micro_index: int) -> torch.Generator:
         self.step = step  # the selector weight's ramp reads the step of the micro-batch about to run
