@@ -25,8 +25,22 @@ the best of several noisy estimates favours the one that was measured luckiest):
 A plain step updates no acceptance, so when speculation stops paying the chooser still runs the
 best speculative size once every ``explore_every`` decisions to keep its estimates current (a
 drafter whose acceptance improves, a load that drops). ``max_speculative_batch`` stays an upper
-bound: a larger group takes plain steps. The verify is padded (every request of the group runs
-``1 + s`` rows), so one size per group is the choice per request as well.
+bound: a larger group takes plain steps. A chain or tree verify is padded (every request of the
+group runs ``1 + s`` rows), so one size per group is the choice per request as well.
+
+A *ragged* worker (``verify_layout = "ragged"``, DSpark, seed §5.5–§5.6) verifies a different number
+of drafts per request: its size is the group's **draft budget** ``K`` (``0 … B·k``, ``k =
+sizes[-1]`` the most drafts one request verifies), which the worker hands to the drafts of highest
+predicted survival in the current round (``kernels/verify_schedule.py``). The chooser picks ``K``
+from history only, as seed §5.6.3 does: with ``A_j`` the measured chain survival
+``∏_{i<=j} alpha_i``, every request is predicted ``[A_1 … A_k]``, and
+
+    tokens(K) = B + (the K largest of those B·k survivals),  seconds(K) = forward(B, 1 + K/B) + overhead(B, K)
+
+over budgets in steps of half a request's draft (``ragged_budgets``); ``static`` gives ``B·k``
+(every request verifies ``k``). A budget from the current round's drafts would make whether a
+draft is verified depend on drafts after it and break the sampling guarantee
+(``serving/workers/dspark.py``).
 
 Each decision's prediction is kept next to what the round measured (``summary``): the model is
 useful only if its predictions hold.
@@ -44,6 +58,7 @@ POOL_WEIGHT = 4.0  # pseudo-rounds pulling a (batch, size) overhead toward its b
 MARGIN = 0.02  # a speculative size must predict this much more than a plain step
 PRIOR_ACCEPT = 0.5  # position 1's conditional acceptance before any round (optimistic enough to try)
 SHRINK = 4.0  # pseudo-rounds pulling a position's estimate toward the position before it
+LAYOUTS = ("chain", "tree", "ragged")
 
 
 class ChainAcceptance:
@@ -117,8 +132,8 @@ class _Outcome:
 class RoundChooser:
     """Picks each round's size for one drafter version (see the module doc).
 
-    ``sizes``: the worker's ``verify_sizes``; ``layout``: its ``verify_layout`` ("chain" or
-    "tree"); ``depth``: the most drafts one path can accept (a chain: ``sizes[-1]``); ``static``:
+    ``sizes``: the worker's ``verify_sizes``; ``layout``: its ``verify_layout`` ("chain", "tree"
+    or "ragged": sizes are then draft budgets of the group, module doc); ``depth``: the most drafts one path can accept (a chain: ``sizes[-1]``); ``static``:
     every round of a group within ``max_speculative_batch`` runs the largest size (a fixed
     setting, what the chooser is compared with)."""
 
@@ -133,8 +148,8 @@ class RoundChooser:
     outcomes: dict[tuple[int, int], _Outcome] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.layout not in ("chain", "tree"):
-            raise ValueError(f"verify_layout must be 'chain' or 'tree', got {self.layout!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"verify_layout must be one of {LAYOUTS}, got {self.layout!r}")
         self.depth = self.depth or (self.sizes[-1] if self.sizes else 0)
         self.chain = ChainAcceptance(self.depth)
         self.budgets = BudgetAcceptance(self.depth) if self.layout == "tree" else None
@@ -147,23 +162,44 @@ class RoundChooser:
 
     def predict(self, batch: int, size: int) -> tuple[float, float]:
         """(tokens, seconds) a round of ``size`` over ``batch`` requests is predicted to give."""
+        if self.layout == "ragged":
+            seconds = self.table.seconds(batch, 1 + size / batch) + self._overhead(batch, size)
+            return batch + self.budget_accepted(batch, size), seconds
         seconds = self.table.seconds(batch, 1 + size) + self._overhead(batch, size)
         return batch * (1 + self.expected_accepted(size)), seconds
+
+    def budget_accepted(self, batch: int, budget: int) -> float:
+        """Expected accepted drafts of a ragged round: the ``budget`` largest of ``batch`` copies of
+        the measured survivals ``[A_1 … A_k]`` (non-increasing, so position by position)."""
+        total, survive, left = 0.0, 1.0, budget
+        for alpha in self.chain.alphas()[: self.sizes[-1]]:
+            survive *= alpha
+            total += survive * min(left, batch)
+            left -= min(left, batch)
+        return total
+
+    def candidates(self, batch: int) -> tuple[int, ...]:
+        """The speculative sizes for a group of ``batch``: the worker's sizes, or for a ragged worker
+        budgets ``1 … batch·k`` in steps of half a request's draft."""
+        if self.layout != "ragged":
+            return self.sizes
+        return tuple(sorted({max(1, batch * h // 2) for h in range(1, 2 * self.sizes[-1] + 1)}))
 
     def choose(self, batch: int) -> int:
         """The size to run for a group of ``batch`` requests (0 = a plain step)."""
         if not self.sizes or (self.max_speculative_batch is not None and batch > self.max_speculative_batch):
             return 0
+        sizes = self.candidates(batch)
         if self.static:
-            return self.sizes[-1]
-        rates = {s: tokens / seconds for s in (0, *self.sizes) for tokens, seconds in [self.predict(batch, s)]}
+            return sizes[-1]
+        rates = {s: tokens / seconds for s in (0, *sizes) for tokens, seconds in [self.predict(batch, s)]}
         best = max(rates, key=lambda s: (rates[s], -s))  # ties: the smaller round
         if rates[best] < rates[0] * (1 + MARGIN):
             best = 0
         if best == 0:
             self._plain_run += 1
             if self._plain_run % self.explore_every == 0:
-                best = max(self.sizes, key=lambda s: (rates[s], -s))
+                best = max(sizes, key=lambda s: (rates[s], -s))
         return best
 
     def record(self, batch: int, size: int, seconds: float, num_drafts: list[int], accepted: list[int],

@@ -229,13 +229,15 @@ class LlamaRunner:
         return RunnerOutput(self._logits(x).view(B, T, -1), {i: h.view(B, T, -1) for i, h in hidden.items()})
 
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]], slots: torch.Tensor) -> RunnerOutput:
+    def prefill(self, prompts: list[list[int]], slots: torch.Tensor, *, every_row: bool = False) -> RunnerOutput:
         """Run each prompt's rows after its slot's committed ones, packed: no padding rows, and the
         LM head only on each prompt's last row (a batch of prompts padded to the longest spends
         most of its products on padding and on logits nobody reads). Writes their K/V as scratch.
 
-        Returns logits [B, 1, V] (each prompt's last row) and the captured layers' outputs
-        [B, T_max, D], right-padded with zeros — what ``forward`` gives for those rows."""
+        Returns logits [B, 1, V] (each prompt's last row; with ``every_row``, [B, T_max, V] for
+        every row, right-padded with zeros: a ragged verify, ``serving/workers/dspark.py``) and the
+        captured layers' outputs [B, T_max, D], right-padded with zeros — what ``forward`` gives
+        for those rows."""
         lengths = torch.tensor([len(p) for p in prompts])
         start = self.cache.committed[slots]  # [B]
         if int((start + lengths).max()) > self.cache.max_len:
@@ -269,7 +271,10 @@ class LlamaRunner:
 
         x, hidden = self._decoder(F.embedding(torch.cat([torch.tensor(p) for p in prompts]), self.embed), attend)
         B, T = len(prompts), int(lengths.max())
-        rows = (torch.arange(T)[None, :] < lengths[:, None]).view(-1)  # [B*T] real rows of the padded layout
-        padded = {i: h.new_zeros(B * T, h.shape[-1]).index_copy_(0, rows.nonzero()[:, 0], h).view(B, T, -1)
-                  for i, h in hidden.items()}
-        return RunnerOutput(self._logits(x[ends - 1])[:, None], padded)
+        rows = (torch.arange(T)[None, :] < lengths[:, None]).view(-1).nonzero()[:, 0]  # real rows of [B*T]
+
+        def padded(h: torch.Tensor) -> torch.Tensor:  # [R, X] packed -> [B, T, X], zeros past each prompt
+            return h.new_zeros(B * T, h.shape[-1]).index_copy_(0, rows, h).view(B, T, -1)
+
+        logits = padded(self._logits(x)) if every_row else self._logits(x[ends - 1])[:, None]
+        return RunnerOutput(logits, {i: padded(h) for i, h in hidden.items()})

@@ -4,7 +4,8 @@ A chain worker (DFlash; any worker that drafts ``[d1 .. dm]`` per request) has r
 ``[a, d1 .. dm]`` for B requests at once. ``accept_chains`` checks each request's rows
 (``check_finite``: a request whose logits are not finite fails alone), gives each the rows its
 rule reads — greedy: the raw logits, sampled: ``p = process(logits)`` — and verifies the
-healthy ones as one mixed batch in the ragged layout of ``kernels/rejection.py``.
+healthy ones as one mixed batch in the ragged layout of ``kernels/rejection.py`` — each request
+with its own number of drafts when the verify was ragged (DSpark's schedule).
 """
 
 from __future__ import annotations
@@ -25,17 +26,23 @@ class Accepted:
 
 
 def accept_chains(logits: torch.Tensor, drafts: torch.Tensor, params: list[SamplingParams],
-                  draft_q: list[torch.Tensor | None], generators: list) -> Accepted:
+                  draft_q: list[torch.Tensor | None], generators: list,
+                  num_drafts: list[int] | None = None) -> Accepted:
     """Verify ``drafts`` [B, m] against the target's ``logits`` [B, m + 1, V] over ``[a, d1 .. dm]``.
 
     ``draft_q[b]`` is the [m, V] distribution (over the target's vocabulary) request b's drafts
-    were sampled from, None for a greedy request; ``generators[b]`` draws its randoms."""
+    were sampled from, None for a greedy request; ``generators[b]`` draws its randoms.
+    ``num_drafts[b]`` (None: m for every request) verifies only request b's first drafts, a
+    ragged verify: its rows past ``num_drafts[b] + 1`` of ``logits`` and past ``num_drafts[b]``
+    of ``drafts`` and ``draft_q[b]`` are padding and never read."""
     B, M, V = logits.shape
+    n = [M - 1] * B if num_drafts is None else list(num_drafts)
+    assert len(n) == B and all(0 <= x <= M - 1 for x in n), (n, M)
     errors: list[NonFiniteLogitsError | None] = [None] * B
     rows, keep = [], []
     for b, p in enumerate(params):
         try:
-            rows.append(check_finite(logits[b], p))  # [M, V] logits (greedy) or p (sampled)
+            rows.append(check_finite(logits[b, : n[b] + 1], p))  # [n_b + 1, V] logits (greedy) or p (sampled)
             keep.append(b)
         except NonFiniteLogitsError as e:
             errors[b] = e
@@ -43,18 +50,21 @@ def accept_chains(logits: torch.Tensor, drafts: torch.Tensor, params: list[Sampl
     if not keep:
         return Accepted(tokens, accepted, errors)
     device, sampled = logits.device, [not params[b].greedy for b in keep]
-    all_greedy_kept = len(keep) == B and not any(sampled)
-    target = logits.reshape(B * M, V) if all_greedy_kept else torch.cat(rows)  # [len(keep) * M, V], no copy if greedy
+    full = num_drafts is None and len(keep) == B
+    target = logits.reshape(B * M, V) if full and not any(sampled) else torch.cat(rows)  # no copy if greedy and full
+    cu = torch.tensor([0] + [n[b] for b in keep], device=device).cumsum(0)  # [len(keep) + 1] draft offsets
     q = None
     if any(sampled):
-        q = torch.cat([torch.zeros(M - 1, V, device=device) if draft_q[b] is None else draft_q[b] for b in keep])
+        q = torch.cat([torch.zeros(n[b], V, device=device) if draft_q[b] is None else draft_q[b][: n[b]]
+                       for b in keep])
     out, emitted = rejection_sample(
-        target, drafts[keep].reshape(-1).to(device), torch.arange(len(keep) + 1, device=device) * (M - 1),
+        target, torch.cat([drafts[b, : n[b]] for b in keep]).to(device), cu,
         torch.tensor(sampled, device=device).logical_not(), q,
         generators=[generators[b] if s else None for b, s in zip(keep, sampled)],
     )
-    out, emitted = out.tolist(), emitted.tolist()
-    for i, b in enumerate(keep):  # request i's rows start at i * M (every request verifies m drafts)
-        tokens[b] = out[i * M : i * M + emitted[i]]
+    out, emitted, starts = out.tolist(), emitted.tolist(), cu.tolist()
+    for i, b in enumerate(keep):  # request i's rows start at cu[i] + i (its drafts, then one more row)
+        first = starts[i] + i
+        tokens[b] = out[first : first + emitted[i]]
         accepted[b] = emitted[i] - 1
     return Accepted(tokens, accepted, errors)

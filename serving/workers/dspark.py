@@ -3,34 +3,59 @@ drafts drawn left to right through the sequence head.
 
 State per request is DFlash's (``serving/workers/dflash.py``): ``n`` committed rows in the target
 cache and in the drafter's context cache, and the anchor ``a`` at position ``n`` (no KV yet).
+A round's ``size`` is the batch's **draft budget** ``K`` (``verify_layout = "ragged"``; 0 is a
+plain step, ``B·k`` verifies every request's ``k`` drafts, ``k = verify_sizes[-1]``):
 
-    propose  block [a, MASK × (B−1)] at positions n … n+B−1 over context rows < n; rows 0 … k−1
-             give backbone logits U; d_j ~ q_j = softmax(U_{j−1} + bias(d_{j−1})), d_0 = a
-             (argmax for a greedy request), and a confidence c_j per draft, k ≤ m = B
-    verify   target forward on [a, d1 … dk]                                   -> k+1 rows of p
-    accept   greedy / rejection sampling with the corrected q_j (never the backbone's softmax)
-    commit   target: rows [a, d1 … dr]; draft context: their target hidden    (r + 1 rows)
+    propose   block [a, MASK × (B−1)] at positions n … n+B−1 over context rows < n; rows 0 … k−1
+              give backbone logits U; d_j ~ q_j = softmax(U_{j−1} + bias(d_{j−1})), d_0 = a
+              (argmax for a greedy request), and a calibrated confidence c_j per draft
+    schedule  survival A_j = c_1 ⋯ c_j; the K draft slots of the batch with the highest survival
+              (ties: position, then request) -> ℓ_r drafts per request, a prefix
+              (``kernels/verify_schedule.py``)
+    verify    target forward on [a, d1 … d_ℓ] per request, packed without padding -> ℓ + 1 rows of p
+    accept    greedy / rejection sampling with the corrected q_j over each request's ℓ drafts
+    commit    target: rows [a, d1 … dr]; draft context: their target hidden    (r + 1 rows)
 
-The emitted tokens are ``[d1 … dr, x*]``; ``x*`` (correction or bonus) is the next anchor. Every
-round verifies the chooser's size for the whole batch; the confidences are reported per position
-in ``stats()["confidence_by_pos"]`` (mean predicted survival of draft j given the ones before it).
+The emitted tokens are ``[d1 … dr, x*]``; ``x*`` is the correction at the first rejected row or
+the bonus from row ℓ (the last verified row). The commit keeps seed §5.6.6's one-row offset: the
+r + 1 rows are the old anchor and the r accepted drafts; ``x*`` has no KV yet and is the next
+anchor. Acceptance never runs past ℓ, so no accepted length is trimmed by the budget
+(``cap_trim_lens`` is 0): an unverified draft is simply not emitted.
+
+**Why the schedule keeps sampling exact** (seed §1.2, §5.5). Rejection sampling of request r's
+drafts gives the target's distribution for any truncation rule under which whether ``d_j`` is
+verified depends on ``d_1 … d_{j−1}`` and randomness independent of ``d_j``, never on ``d_j`` or
+later drafts. Here: ``c_j`` reads the drafter's row and the token *before* ``d_j`` (``d_j`` is
+drawn after it), so ``A_j`` is a function of ``d_{<j}``; slot ``(r, j)``'s rank counts the slots
+ahead of it, which are r's own earlier positions (always ahead: A is non-increasing and ties go
+to the earlier position) and other requests' slots (their drafts come from their own
+generators); and ``K`` comes from the chooser's history, not from this round's drafts. The
+tests run rounds through the schedule against the target's distribution (chi-square).
+
+``stats()["confidence_by_pos"]``: the mean calibrated confidence of draft j given the ones before it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from specray.drafters.dflash import block_attention_mask
+import time
+
 from specray.drafters.dspark import DSparkDrafter
+from specray.kernels.verify_schedule import schedule_verify_lens
 from specray.serving.runner import LlamaRunner
 from specray.serving.sampling import process
+from specray.serving.verify import accept_chains
+from specray.serving.workers.base import StepOutput
 from specray.serving.workers.dflash import DFlashWorker
 
 
 class DSparkWorker(DFlashWorker):
-    """The worker protocol (``serving/workers/base.py``) for DSpark: DFlash's round, caches, plain
-    step and commit; its own ``propose``. ``num_speculative_tokens`` is clamped to m = B (the
-    anchor row drafts too; None = B)."""
+    """The worker protocol (``serving/workers/base.py``) for DSpark: DFlash's caches, plain step and
+    commit; its own propose and a ragged round. ``num_speculative_tokens`` is clamped to m = B (the
+    anchor row drafts too; None = B): ``k``, the most drafts one request verifies."""
+
+    verify_layout = "ragged"
 
     def __init__(self, runner: LlamaRunner, drafter: DSparkDrafter, *, num_speculative_tokens: int | None = None):
         super().__init__(runner, drafter, num_speculative_tokens=num_speculative_tokens)
@@ -68,18 +93,53 @@ class DSparkWorker(DFlashWorker):
     @torch.inference_mode()
     def propose(self, slots: list[int], anchors: list[int], params, generators, k: int):
         """Draft k tokens per request; returns (drafts [B, k] target ids, q [k, V] or None per request)."""
-        n = self.context.committed[torch.tensor(slots)]  # [B] anchor positions
-        ctx_len = int(n.max())
-        index = self.context.index(torch.tensor(slots))
-        ctx_kv = [self.context.read(layer, index, ctx_len) for layer in range(self.cfg.num_layers)]
+        drafts, qs, _ = self.draft_block(slots, anchors, params, generators, k)
+        return drafts, qs
+
+    @torch.inference_mode()
+    def draft_block(self, slots: list[int], anchors: list[int], params, generators, k: int):
+        """``propose`` plus the calibrated confidences [B, k] of the drafts."""
         anchor_ids = torch.tensor(anchors)
-        block = self.drafter.block_inputs(anchor_ids[:, None]).view(len(slots), self.block_size)
-        positions = n[:, None] + torch.arange(self.block_size)
-        valid = torch.arange(ctx_len)[None, :] < n[:, None]
-        mask = block_attention_mask(n[:, None], valid, self.block_size, self.cfg.attention, self.cfg.sliding_window)
-        hidden = self.drafter.forward_block(block, positions, ctx_kv, mask, slice(0, k))  # [B, k, D]
+        hidden = self.block_hidden(slots, anchors, slice(0, k))  # [B, k, D]: anchor-predict, row j drafts d_{j+1}
         drafts, q, confidence = self.drafter.draft(hidden, anchor_ids, self._picker(params, generators))
         self.confidence_sum[:k] += confidence.sum(0).double()
         self.confidence_count[:k] += len(slots)
         qs = [None if p.greedy else self.drafter.to_target_distribution(q[b]) for b, p in enumerate(params)]
-        return drafts, qs
+        return drafts, qs, confidence.float()
+
+    def step(self, slots: list[int], anchors: list[int], params, generators, size: int) -> StepOutput:
+        """One propose → schedule → verify → accept → commit round with a budget of ``size`` drafts
+        over the batch (0: a plain step; module docstring)."""
+        if size == 0:
+            return self._plain_step(slots, anchors, params, generators)
+        k = self.verify_sizes[-1]
+        if not 1 <= size <= len(slots) * k:
+            raise ValueError(f"a DSpark round's size is the batch's draft budget, 1 … {len(slots) * k} for "
+                             f"{len(slots)} requests of at most {k} drafts; got {size}")
+        owed = self.catch_up(slots)
+        t0 = time.perf_counter()
+        drafts, qs, confidence = self.draft_block(slots, anchors, params, generators, k)  # [B, k], [B, k]
+        num_drafts = (schedule_verify_lens(confidence.cumprod(-1), size) - 1).tolist()  # [B] ℓ_r, prefixes
+        t1 = time.perf_counter()
+        out = self._verify(slots, anchors, drafts, num_drafts)
+        t2 = time.perf_counter()
+        result = accept_chains(out.logits, drafts, params, qs, generators, num_drafts=num_drafts)
+        t3 = time.perf_counter()
+        rows = [len(tokens) for tokens in result.tokens]  # commit [a, d1 … dr]: r + 1 rows (0 if it failed)
+        for slot, n in zip(slots, rows):
+            self.runner.cache.commit(slot, n)
+        self._commit_context(slots, self._features(out.hidden), rows)
+        t4 = time.perf_counter()
+        for phase, seconds in zip(self.phase_seconds, (t1 - t0, t2 - t1, t3 - t2, t4 - t3 + owed)):
+            self.phase_seconds[phase] += seconds
+        self.steps += 1
+        return StepOutput(result.tokens, num_drafts, result.accepted, True, result.errors, deferred_seconds=owed)
+
+    def _verify(self, slots: list[int], anchors: list[int], drafts: torch.Tensor, num_drafts: list[int]):
+        """The target on ``[a, d1 … d_ℓ]`` per request: logits [B, 1 + max ℓ, V] and hidden, rows past
+        each request's ℓ + 1 padding. Equal lengths run the batched forward, others run packed."""
+        ids = torch.cat([torch.tensor(anchors)[:, None], drafts[:, : max(num_drafts)]], dim=1)  # [B, 1 + max ℓ]
+        if len(set(num_drafts)) == 1:
+            return self.runner.forward(ids, torch.tensor(slots), torch.full((len(slots),), ids.shape[1]))
+        rows = [ids[b, : n + 1].tolist() for b, n in enumerate(num_drafts)]
+        return self.runner.prefill(rows, torch.tensor(slots), every_row=True)

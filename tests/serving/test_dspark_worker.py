@@ -113,7 +113,7 @@ def test_sampled_rounds_through_the_head_keep_the_targets_distribution(debug_tar
         generators = [torch.Generator().manual_seed(batch * 8 + b) for b in range(8)]
         logits = worker.prefill(list(range(8)), [prompt] * 8)
         firsts = [sample_next(logits[b], params, generators[b]) for b in range(8)]
-        step = worker.step(list(range(8)), firsts, [params] * 8, generators, 2)
+        step = worker.step(list(range(8)), firsts, [params] * 8, generators, 2 * 8)  # budget: 2 drafts each
         accepted += step.accepted
         for slot, (t1, tokens) in enumerate(zip(firsts, step.tokens)):
             counts[(t1, tokens[0])] = counts.get((t1, tokens[0]), 0) + 1
