@@ -28,13 +28,21 @@ never the backbone's softmax).
 ``k + 1`` survives verification given that the ones before it did; ``∏ c`` is the predicted
 survival of a prefix.
 
+**Calibration (§5.4).** ``specray calibrate`` fits one temperature per position on held-out features
+(``trainer/strategies/dspark.py``, Sequential Temperature Scaling) and writes ``calibration.json``
+into the export; loading the export reads it (``attach_export``) into ``confidence_temperature``
+[B], and drafting returns ``σ(z_k / T_k)``. Training and the teacher-forced ``corrected`` read the raw
+logits. A calibration file fitted for another block size or another export is refused.
+
 Module names are the speculators ``dspark`` model's (``markov_head.*``, ``confidence_head.proj.*``),
 so the peer export (``drafters/peer.py``) renames only the backbone.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Literal
 
 import torch
@@ -46,6 +54,7 @@ from specray.drafters.common import Linear
 from specray.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashSection
 
 HEAD_TYPES = ("vanilla", "gated", "rnn")
+CALIBRATION_FILE = "calibration.json"  # in an export directory, written by `specray calibrate`
 
 
 @dataclass(frozen=True)
@@ -176,6 +185,14 @@ class DSparkDrafter(DFlashDrafter):
         self.markov_head = SequenceHead(config)
         extra = config.markov_rank if config.confidence_head_with_markov else 0
         self.confidence_head = ConfidenceHead(config.hidden_size + extra)
+        # [B] per-position temperatures of the confidence logits; not in the state dict (calibration.json)
+        self.register_buffer("confidence_temperature", torch.ones(config.block_size), persistent=False)
+
+    def attach_export(self, export_dir: str | Path) -> None:
+        """Read ``calibration.json`` of the export this drafter was loaded from, if there is one."""
+        path = Path(export_dir) / CALIBRATION_FILE
+        if path.is_file():
+            self.confidence_temperature.copy_(torch.tensor(read_calibration(export_dir, self.config.block_size)))
 
     def confidence_logits(self, hidden: torch.Tensor, prev_emb: torch.Tensor) -> torch.Tensor:
         """hidden [..., D], prev_emb [..., r] -> confidence logits [...]."""
@@ -201,17 +218,57 @@ class DSparkDrafter(DFlashDrafter):
 
         hidden [Bt, k, D]: the block's first k rows; anchor_ids [Bt] (target ids); ``pick`` draws each
         row's draft from its corrected logits. Returns (drafts [Bt, k] target ids, q [Bt, k, V_d]
-        the distributions they were drawn from (None when ``pick`` gave none), confidence [Bt, k] in (0, 1))."""
+        the distributions they were drawn from (None when ``pick`` gave none), calibrated confidence
+        [Bt, k] in (0, 1): ``c_{j+1}`` reads the drafts before ``d_{j+1}``, never ``d_{j+1}`` itself)."""
         base = self.logits(hidden)  # [Bt, k, V_d]
         prev, state = anchor_ids, self.markov_head.initial_state(hidden[:, 0])
         drafts, qs, confidence = [], [], []
         for k in range(hidden.shape[1]):
             prev_emb = self.markov_head.prev_embeddings(prev).to(hidden.dtype)  # [Bt, r]
             bias, state = self.markov_head.step(prev_emb, hidden[:, k], state)
-            confidence.append(torch.sigmoid(self.confidence_logits(hidden[:, k], prev_emb)))
+            z = self.confidence_logits(hidden[:, k], prev_emb) / self.confidence_temperature[k]  # [Bt]
+            confidence.append(torch.sigmoid(z))
             index, q = pick(base[:, k] + bias, k)
             prev = self.draft_to_target(index)
             drafts.append(prev)
             qs.append(q)
         q = None if qs[0] is None else torch.stack(qs, dim=1)
         return torch.stack(drafts, dim=1), q, torch.stack(confidence, dim=1)
+
+
+def export_identity(export_dir: str | Path) -> dict:
+    """What a calibration file is checked against: the export's fingerprints and weights' sha256."""
+    path = Path(export_dir)
+    config = json.loads((path / "config.json").read_text())
+    export = json.loads((path / "export.json").read_text())
+    return {"target_fingerprint": config["target_fingerprint"], "template_fingerprint": config["template_fingerprint"],
+            "weights_sha256": export["weights_sha256"]}
+
+
+def write_calibration(export_dir: str | Path, temperatures: list[float], report: dict) -> Path:
+    """Write ``calibration.json`` (one temperature per position, the export's identity, ``report``)."""
+    path = Path(export_dir) / CALIBRATION_FILE
+    body = {"method": "sequential_temperature_scaling", "block_size": len(temperatures),
+            "temperatures": list(temperatures), **export_identity(export_dir), **report}
+    path.write_text(json.dumps(body, indent=2) + "\n")
+    return path
+
+
+def read_calibration(export_dir: str | Path, block_size: int) -> list[float]:
+    """The temperatures [B] of ``export_dir``'s calibration file, checked against the export's
+    block size and identity (ValueError naming the file and the fix otherwise)."""
+    path = Path(export_dir) / CALIBRATION_FILE
+    fix = (f"re-run `specray calibrate {export_dir} --manifest HELDOUT` to fit it for this export "
+           f"(or delete {path} to serve uncalibrated confidences)")
+    body = json.loads(path.read_text())
+    if body.get("block_size") != block_size or len(body.get("temperatures", ())) != block_size:
+        raise ValueError(f"{path} was fitted for block_size {body.get('block_size')}, the export has "
+                         f"{block_size}: {fix}")
+    identity = export_identity(export_dir)
+    wrong = sorted(key for key, value in identity.items() if body.get(key) != value)
+    if wrong:
+        raise ValueError(f"{path} was fitted for another export ({', '.join(wrong)} differ): {fix}")
+    temperatures = [float(t) for t in body["temperatures"]]
+    if not all(t > 0 for t in temperatures):
+        raise ValueError(f"{path}: temperatures must be > 0, got {temperatures}: {fix}")
+    return temperatures

@@ -124,6 +124,9 @@ def load_drafter(
     model.load_state_dict(state)
     try:
         model.validate_state()
+        attach = getattr(model, "attach_export", None)  # files beside the weights a drafter reads (DSpark's calibration)
+        if attach is not None:
+            attach(path)
     except ValueError as e:
         raise InvalidDrafterError(f"{path}: {e}") from None
     return model.eval().requires_grad_(False)

@@ -4,6 +4,7 @@
     specray train -c manifests/train-dflash-quickstart.yaml [section.field=value …]
     specray export runs/train-dflash-quickstart [--out DIR] [--format speculators [--target NAME]]
     specray evaluate EXPORT_DIR --manifest runs/<held-out capture>/manifest.parquet [objective.field=value …]
+    specray calibrate EXPORT_DIR --manifest runs/<held-out capture>/manifest.parquet   (DSpark: STS of its confidence)
     specray generate --drafter EXPORT_DIR --prompt "…" [--max-tokens 128] [--temperature 0]
     specray profile --out cost.json [--target NAME] [--force]   (the round-cost table of this machine)
     specray regenerate --out data/self.jsonl --num 256   (self-distilled training conversations)
@@ -84,6 +85,27 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     print(f"samples    {result['samples']}\nloss       {result['loss']:.4f}\n"
           f"acc by pos {acc}\ntau_tf     {result['tau_tf']:.3f}\ncoverage   {result['coverage']:.3f} "
           "(labels inside the drafter's vocabulary)")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    import json
+
+    from specray.pipeline.calibrate_job import calibrate_export
+
+    result = calibrate_export(args.export, args.manifest, target_name=args.target, endpoint_url=args.endpoint_url,
+                              bins=args.bins)
+
+    def fmt(values: list[float]) -> str:
+        return " ".join(f"{v:.3f}" for v in values)
+
+    print(f"blocks       {result['blocks']}\ntemperatures {fmt(result['temperatures'])}\n"
+          f"ECE before   {result['ece_before']:.4f}  by pos {fmt(result['ece_by_pos_before'])}\n"
+          f"ECE after    {result['ece_after']:.4f}  by pos {fmt(result['ece_by_pos_after'])}\n"
+          f"wrote        {result['path']}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
@@ -329,6 +351,16 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--endpoint-url", default=None)
     evaluate.add_argument("--json", help="also write the result here")
     evaluate.set_defaults(fn=_cmd_evaluate)
+
+    calibrate = sub.add_parser("calibrate", help="fit DSpark's confidence temperatures on held-out features "
+                                                 "(writes calibration.json into the export)")
+    calibrate.add_argument("export", help="an exported DSpark drafter directory")
+    calibrate.add_argument("--manifest", required=True, help="held-out features (not the training capture)")
+    calibrate.add_argument("--target", default=DEFAULT_TARGET, help="the target the export was trained for")
+    calibrate.add_argument("--bins", type=int, default=10, help="bins of the calibration error reported")
+    calibrate.add_argument("--endpoint-url", default=None)
+    calibrate.add_argument("--json", help="also write the result here")
+    calibrate.set_defaults(fn=_cmd_calibrate)
 
     generate = sub.add_parser("generate", help="generate with the engine (a drafter makes it speculative)")
     generate.add_argument("--prompt", action="append", required=True, help="a user message (repeat for a batch)")

@@ -28,9 +28,19 @@ the top-1 correct count (of the corrected logits), CE over the labels inside the
 the overlap ``Σ c*``, the confidence ``Σ c``, and a calibration histogram (confidence bins ×
 count / Σ c / Σ c*) from which ``summarize`` computes the expected calibration error per
 position; plus the teacher-forced accepted length (``tau_tf − 1``).
+
+**Sequential Temperature Scaling** (seed §5.4; ``specray calibrate``, ``pipeline/calibrate_job.py``).
+The scheduler reads the predicted survival ``A_k = ∏_{i<=k} σ(z_i / T_i)`` as an absolute number, so
+slight over-confidence compounds along the block. On held-out blocks (``confidence_rows``: the
+confidence logits ``z`` and the teacher-forced overlaps ``c*``) the observed survival is
+``S_k = ∏_{i<=k} c*_i``, and ``fit_sts`` picks ``T_1``, then ``T_2`` with ``T_1`` fixed, and so on, each
+minimising the cross-entropy between ``A_k`` and ``S_k`` over the blocks supervised at ``k``
+(a search over log T). ``survival_ece`` is the calibration error of ``A_k`` against ``S_k`` per position.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -120,6 +130,34 @@ class DSparkStrategy(DFlashStrategy):
 
     def forward_loss(self, model: nn.Module, config: DSparkConfig, batch: TrainBatch, generator: torch.Generator):
         """(loss, metric sums) for one micro-batch; ``model`` may be DDP-wrapped."""
+        drafter, labels, supervised, logits, log_q, conf_logits, c_star, l1 = self._heads(model, config, batch,
+                                                                                           generator)
+        B = config.block_size
+        draft_labels = drafter.target_to_draft(labels)  # = labels without a draft vocabulary
+        covered = supervised & (draft_labels >= 0)
+        w = position_weights(B + 1, self.gamma).to(logits.device) * supervised  # [Bt, N, B]
+        ce = -log_q.gather(-1, draft_labels.clamp(min=0)[..., None]).squeeze(-1)
+        bce = F.binary_cross_entropy_with_logits(conf_logits.float(), c_star, reduction="none")
+        terms = (weighted_mean(ce, w * covered), weighted_mean(l1, w), weighted_mean(bce, w))
+        loss = sum(a * t for a, t in zip(self.weights, terms)) / sum(self.weights)
+        with torch.no_grad():
+            correct = (drafter.draft_to_target(logits.argmax(-1)) == labels) & supervised
+            metrics = self._sums(correct, supervised, covered, ce, c_star, torch.sigmoid(conf_logits.float()))
+        return loss, metrics
+
+    @torch.no_grad()
+    def confidence_rows(self, model: nn.Module, config: DSparkConfig, batch: TrainBatch,
+                        generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What Sequential Temperature Scaling fits on: per block, the confidence logits [n, B], the
+        overlap targets c* [n, B] and supervision [n, B] (a prefix of each block), blocks that
+        supervise their first row only."""
+        _, _, supervised, _, _, conf_logits, c_star, _ = self._heads(model, config, batch, generator)
+        keep = supervised[..., 0]  # [Bt, N]
+        return conf_logits.float()[keep], c_star[keep], supervised[keep]
+
+    def _heads(self, model, config: DSparkConfig, batch: TrainBatch, generator: torch.Generator):
+        """The teacher-forced forward of one micro-batch: (drafter, labels, supervision, corrected logits,
+        log q, confidence logits, c* (detached), ‖p − q‖₁), each [Bt, N, B] or [Bt, N, B, V_d]."""
         if batch.last_hidden_states is None:
             raise ValueError("DSpark trains on the target's last_hidden_states: capture the features with "
                              "capture.algorithm=dspark")
@@ -131,19 +169,9 @@ class DSparkStrategy(DFlashStrategy):
         p = teacher(drafter, batch.last_hidden_states, predecessors, supervised)  # [Bt, N, B, V_d]
         logits, conf_logits = model(batch.hidden_states, batch.attention_mask, prev_ids[..., 0], anchors, prev_ids)
         log_q = F.log_softmax(logits.float(), dim=-1)  # [Bt, N, B, V_d]
-        draft_labels = drafter.target_to_draft(labels)  # = labels without a draft vocabulary
-        covered = supervised & (draft_labels >= 0)
-        w = position_weights(B + 1, self.gamma).to(logits.device) * supervised  # [Bt, N, B]
-        ce = -log_q.gather(-1, draft_labels.clamp(min=0)[..., None]).squeeze(-1)
         l1 = overlap_l1(p, log_q.exp())
         c_star = (1.0 - 0.5 * l1).clamp(0.0, 1.0).detach()
-        bce = F.binary_cross_entropy_with_logits(conf_logits.float(), c_star, reduction="none")
-        terms = (weighted_mean(ce, w * covered), weighted_mean(l1, w), weighted_mean(bce, w))
-        loss = sum(a * t for a, t in zip(self.weights, terms)) / sum(self.weights)
-        with torch.no_grad():
-            correct = (drafter.draft_to_target(logits.argmax(-1)) == labels) & supervised
-            metrics = self._sums(correct, supervised, covered, ce, c_star, torch.sigmoid(conf_logits.float()))
-        return loss, metrics
+        return drafter, labels, supervised, logits, log_q, conf_logits, c_star, l1
 
     def _sums(self, correct, supervised, covered, ce, c_star, confidence) -> dict[str, torch.Tensor]:
         """Per-position metric sums of [Bt, N, B] rows (module docstring)."""
@@ -186,3 +214,56 @@ class DSparkStrategy(DFlashStrategy):
             "tau_tf": float(1 + sums["accepted"].sum() / blocks.sum()),
             "blocks": int(sums["blocks"].sum()),
         }
+
+
+STS_LOG_T = torch.linspace(math.log(0.05), math.log(20.0), 401, dtype=torch.float64)  # temperatures searched
+
+
+def fit_sts(conf_logits: torch.Tensor, c_star: torch.Tensor, supervised: torch.Tensor) -> list[float]:
+    """Sequential Temperature Scaling (module docstring): conf_logits, c_star, supervised [n, B] ->
+    one temperature per position [B]. A position no block supervises is an error."""
+    z, observed = conf_logits.double(), torch.cumprod(c_star.double(), dim=-1)  # [n, B]
+    prefix = torch.ones(z.shape[0], dtype=torch.float64)  # [n] ∏ of the calibrated positions before k
+    temperatures = []
+    for k in range(z.shape[1]):
+        rows = supervised[:, k]
+        if not rows.any():
+            raise ValueError(f"no held-out block supervises draft position {k + 1}: calibrate on a manifest "
+                             "with sequences longer than the block (or more samples)")
+        log_t = _best_log_temperature(z[rows, k], observed[rows, k], prefix[rows])
+        temperatures.append(math.exp(log_t))
+        prefix = prefix * torch.sigmoid(z[:, k] / temperatures[-1])
+    return temperatures
+
+
+def _best_log_temperature(z: torch.Tensor, target: torch.Tensor, prefix: torch.Tensor) -> float:
+    """argmin over log T of the mean BCE(prefix · σ(z / T), target), z/target/prefix [n]: a grid, then
+    a finer grid around its best point."""
+
+    def loss(log_t: torch.Tensor) -> torch.Tensor:  # [G] -> [G]
+        survival = (prefix * torch.sigmoid(z[None] / log_t.exp()[:, None])).clamp(1e-9, 1 - 1e-9)  # [G, n]
+        return -(target * survival.log() + (1 - target) * (1 - survival).log()).mean(-1)
+
+    best = STS_LOG_T[loss(STS_LOG_T).argmin()]
+    step = float(STS_LOG_T[1] - STS_LOG_T[0])
+    fine = torch.linspace(float(best) - step, float(best) + step, 41, dtype=torch.float64)
+    return float(fine[loss(fine).argmin()])
+
+
+def survival_ece(conf_logits: torch.Tensor, c_star: torch.Tensor, supervised: torch.Tensor,
+                 temperatures: list[float] | None = None, bins: int = 10) -> tuple[list[float], float]:
+    """Calibration error of the predicted survival ``∏ σ(z / T)`` against the observed ``∏ c*``
+    (inputs [n, B]; ``temperatures`` None = 1): per position ``Σ_bins |Σ (A − S)| / n_k`` over bins
+    of A, and the same pooled over positions."""
+    T = torch.tensor(temperatures or [1.0] * conf_logits.shape[1], dtype=torch.float64)
+    predicted = torch.cumprod(torch.sigmoid(conf_logits.double() / T), dim=-1)  # [n, B]
+    observed = torch.cumprod(c_star.double(), dim=-1)
+    gaps, counts = [], []
+    for k in range(predicted.shape[1]):
+        rows = supervised[:, k]
+        a, o = predicted[rows, k], observed[rows, k]
+        index = (a * bins).long().clamp(max=bins - 1)
+        gap = torch.zeros(bins, dtype=torch.float64).index_add_(0, index, a - o).abs().sum()
+        gaps.append(float(gap))
+        counts.append(int(rows.sum()))
+    return [g / max(c, 1) for g, c in zip(gaps, counts)], sum(gaps) / max(sum(counts), 1)
