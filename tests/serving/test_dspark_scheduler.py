@@ -3,15 +3,19 @@ row (equal to the padded forward), a ragged accept equals per-request accepts, a
 lengths the schedule gives for its budget and commits r + 1 rows, sampled rounds through the
 schedule keep the target's distribution (chi-square), and the chooser's draft budgets."""
 
+import json
 from dataclasses import replace
 
 import pytest
 import torch
 
+from specray.capture.contract import build_contract
 from specray.drafters import dspark
+from specray.drafters.format import save_drafter
 from specray.kernels.verify_schedule import schedule_verify_lens
 from specray.serving.chooser import RoundChooser
 from specray.serving.cost_table import CostEntry, CostTable, MachineDescription
+from specray.serving.engine import Engine
 from specray.serving.runner import LlamaRunner
 from specray.serving.sampling import SamplingParams, sample_next
 from specray.serving.verify import accept_chains
@@ -176,3 +180,35 @@ def test_the_chooser_picks_a_batch_budget_from_measured_survival():
     costly = RoundChooser(_table(lambda b, r: 0.02 * b * (1 + 0.45 * (r - 1))), (1, 2, 3), "ragged")
     costly.chain, costly.overhead = chooser.chain, {}
     assert 0 < costly.choose(4) < 12  # rows cost: a budget between nothing and everything
+
+
+def _export(drafter, target, out) -> str:
+    contract = build_contract("dspark", target_fingerprint=target.target_fingerprint,
+                              template_fingerprint=target.template_fingerprint, num_target_layers=target.num_layers,
+                              hidden_size=target.hidden_size, layer_ids=drafter.config.target_layer_ids, dtype="float32")
+    return str(save_drafter(out, drafter, contract=json.loads(contract.to_json()), provenance={"run": "test"}))
+
+
+def test_the_engine_schedules_dspark_by_default_and_greedy_equals_generate(debug_target, tmp_path, one_thread):
+    """speculation="auto" (the default) gives DSpark's chooser draft budgets; half the batch's drafts
+    per round makes every round ragged, and greedy output is still transformers' ``generate``."""
+    prompts = ["Hi", "1 2 3 4 5 6", "Write a poem."]
+    table = _table(lambda b, r: 0.001 * b * (1 + 0.1 * (r - 1)))
+    engine = Engine(debug_target, _export(_drafter(debug_target), debug_target, tmp_path / "export"), max_batch=3,
+                    max_len=256, cost_table=table)
+    chooser, k = engine.versions.active.chooser, engine.worker.verify_sizes[-1]
+    assert chooser.layout == "ragged" and chooser.candidates(3)[-1] == 3 * k
+    rounds = []
+    step = engine.worker.step
+    chooser.choose = lambda batch: max(1, batch * k // 2)
+    engine.worker.step = lambda *a: rounds.append(step(*a)) or rounds[-1]
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=16))
+    for out in outputs:
+        ids = list(out.prompt_ids)
+        with torch.inference_mode():
+            want = debug_target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                               max_new_tokens=16, do_sample=False, pad_token_id=debug_target.pad_token_id)
+        tokens = want[0, len(ids):].tolist()
+        eos = debug_target.tokenizer.eos_token_id
+        assert out.token_ids == (tokens[: tokens.index(eos)] if eos in tokens else tokens)
+    assert any(len(set(r.num_drafts)) > 1 for r in rounds if len(r.num_drafts) > 1)  # ragged rounds ran
