@@ -32,12 +32,14 @@ A *ragged* worker (``verify_layout = "ragged"``, DSpark, seed §5.5–§5.6) ver
 of drafts per request: its size is the group's **draft budget** ``K`` (``0 … B·k``, ``k =
 sizes[-1]`` the most drafts one request verifies), which the worker hands to the drafts of highest
 predicted survival in the current round (``kernels/verify_schedule.py``). The chooser picks ``K``
-from history only, as seed §5.6.3 does: with ``A_j`` the measured chain survival
-``∏_{i<=j} alpha_i``, every request is predicted ``[A_1 … A_k]``, and
+from history only, as seed §5.6.3 does: each request's predicted survival ``[A_1 … A_k]`` is the one
+the worker published from its latest round (``survival``: the cumulative product of its calibrated
+confidences; all ones for a request that has not drafted yet), or, when the worker publishes none
+for this group, the measured chain survival ``∏_{i<=j} alpha_i`` for every request; and
 
     tokens(K) = B + (the K largest of those B·k survivals),  seconds(K) = forward(B, 1 + K/B) + overhead(B, K)
 
-over budgets in steps of half a request's draft (``ragged_budgets``); ``static`` gives ``B·k``
+over budgets in steps of half a request's draft (``candidates``); ``static`` gives ``B·k``
 (every request verifies ``k``). A budget from the current round's drafts would make whether a
 draft is verified depend on drafts after it and break the sampling guarantee
 (``serving/workers/dspark.py``).
@@ -49,6 +51,9 @@ useful only if its predictions hold.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
 
 from specray.serving.cost_table import CostTable
 
@@ -133,9 +138,10 @@ class RoundChooser:
     """Picks each round's size for one drafter version (see the module doc).
 
     ``sizes``: the worker's ``verify_sizes``; ``layout``: its ``verify_layout`` ("chain", "tree"
-    or "ragged": sizes are then draft budgets of the group, module doc); ``depth``: the most drafts one path can accept (a chain: ``sizes[-1]``); ``static``:
-    every round of a group within ``max_speculative_batch`` runs the largest size (a fixed
-    setting, what the chooser is compared with)."""
+    or "ragged": sizes are then draft budgets of the group, module doc); ``depth``: the most
+    drafts one path can accept (a chain: ``sizes[-1]``); ``static``: every round of a group
+    within ``max_speculative_batch`` runs the largest size (a fixed setting, what the chooser is
+    compared with); ``survival``: a ragged worker's ``published_survival``."""
 
     table: CostTable
     sizes: tuple[int, ...]
@@ -144,6 +150,7 @@ class RoundChooser:
     max_speculative_batch: int | None = None
     static: bool = False  # always the largest size (a fixed setting, for comparison)
     explore_every: int = 32
+    survival: Callable[[], torch.Tensor] | None = None  # a ragged worker's published survival [R, k] (module doc)
     overhead: dict[tuple[int, int], tuple[int, float]] = field(default_factory=dict)  # (rounds, mean seconds)
     outcomes: dict[tuple[int, int], _Outcome] = field(default_factory=dict)
 
@@ -169,8 +176,12 @@ class RoundChooser:
         return batch * (1 + self.expected_accepted(size)), seconds
 
     def budget_accepted(self, batch: int, budget: int) -> float:
-        """Expected accepted drafts of a ragged round: the ``budget`` largest of ``batch`` copies of
-        the measured survivals ``[A_1 … A_k]`` (non-increasing, so position by position)."""
+        """Expected accepted drafts of a ragged round: the ``budget`` largest predicted survivals of
+        the group — the worker's published ones when it has them for ``batch`` requests, else
+        ``batch`` copies of the measured ``[A_1 … A_k]`` (non-increasing, so position by position)."""
+        published = self.survival() if self.survival is not None else None
+        if published is not None and len(published) == batch:
+            return float(published.reshape(-1).sort(descending=True).values[:budget].sum())
         total, survive, left = 0.0, 1.0, budget
         for alpha in self.chain.alphas()[: self.sizes[-1]]:
             survive *= alpha

@@ -144,7 +144,7 @@ class DrafterVersions:
     def _chooser(self, worker: Worker) -> RoundChooser:
         return RoundChooser(self._table(worker.max_verify_rows), worker.verify_sizes, worker.verify_layout,
                             depth=getattr(worker, "max_depth", None), max_speculative_batch=self._max_speculative_batch,
-                            static=self._speculation == "static")
+                            static=self._speculation == "static", survival=getattr(worker, "published_survival", None))
 
     def _table(self, max_rows: int) -> CostTable:
         """The engine's cost table; when none was given, measured once per process and shape on a

@@ -64,6 +64,23 @@ class DSparkWorker(DFlashWorker):
         self.verify_sizes = tuple(range(1, k + 1))
         self.confidence_sum = torch.zeros(m, dtype=torch.float64)  # [m] over drafted positions
         self.confidence_count = torch.zeros(m, dtype=torch.float64)
+        self.survival = torch.ones(runner.cache.num_slots, k)  # [slots, k] each slot's latest predicted survival
+        self.live: set[int] = set()  # slots prefilled and not released
+
+    def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        logits = super().prefill(slots, prompts)
+        self.survival[torch.tensor(slots)] = 1.0  # a new request: optimistic until it has drafted (seed §5.6.2)
+        self.live.update(slots)
+        return logits
+
+    def release(self, slot: int) -> None:
+        super().release(slot)
+        self.live.discard(slot)
+
+    def published_survival(self) -> torch.Tensor:
+        """The predicted survival [R, k] of the live requests (slot order), from each one's latest round:
+        history the chooser sizes the next round's budget from (serving/chooser.py)."""
+        return self.survival[sorted(self.live)]
 
     def stats(self) -> dict:
         mean = self.confidence_sum / self.confidence_count.clamp(min=1)
@@ -119,7 +136,9 @@ class DSparkWorker(DFlashWorker):
         owed = self.catch_up(slots)
         t0 = time.perf_counter()
         drafts, qs, confidence = self.draft_block(slots, anchors, params, generators, k)  # [B, k], [B, k]
-        num_drafts = (schedule_verify_lens(confidence.cumprod(-1), size) - 1).tolist()  # [B] ℓ_r, prefixes
+        survival = confidence.cumprod(-1)  # [B, k]
+        num_drafts = (schedule_verify_lens(survival, size) - 1).tolist()  # [B] ℓ_r, prefixes
+        self.survival[torch.tensor(slots)] = survival  # published for the next rounds' budgets, not this one's
         t1 = time.perf_counter()
         out = self._verify(slots, anchors, drafts, num_drafts)
         t2 = time.perf_counter()

@@ -87,6 +87,7 @@ def test_a_round_verifies_the_scheduled_lengths_and_commits_r_plus_one_rows(debu
     prompts = [_encode(debug_target, t) for t in ("Hi", "1 2 3 4", "Tell me a story")]
     logits = worker.prefill([0, 1, 2], prompts)
     anchors = [int(x) for x in logits.argmax(-1)]
+    assert torch.equal(worker.published_survival(), torch.ones(3, worker.verify_sizes[-1]))  # not drafted yet
     seen = []
     original = worker.draft_block
     monkeypatch.setattr(worker, "draft_block", lambda *a: seen.append(original(*a)) or seen[-1])
@@ -97,12 +98,15 @@ def test_a_round_verifies_the_scheduled_lengths_and_commits_r_plus_one_rows(debu
     (_, _, confidence), = seen
     expected = (schedule_verify_lens(confidence.cumprod(-1), 5) - 1).tolist()
     assert out.num_drafts == expected and sum(expected) == 5 and len(set(expected)) > 1  # ragged
+    assert torch.equal(worker.published_survival(), confidence.cumprod(-1))  # for the next rounds' budgets
     for b, prompt in enumerate(prompts):
         assert len(out.tokens[b]) == out.accepted[b] + 1 <= out.num_drafts[b] + 1
         assert int(worker.runner.cache.committed[b]) == len(prompt) + out.accepted[b] + 1  # [a, d1 … dr]
         assert int(worker.context.committed[b]) == len(prompt) + out.accepted[b] + 1
     full = worker.step([0, 1, 2], [t[-1] for t in out.tokens], [SamplingParams()] * 3, [None] * 3, 3 * k)
     assert full.num_drafts == [k] * 3  # a budget of every slot: every request verifies k (the static setting)
+    worker.release(1)
+    assert len(worker.published_survival()) == 2
 
 
 def _exact(target, prompt, top_k):
@@ -176,6 +180,12 @@ def test_the_chooser_picks_a_batch_budget_from_measured_survival():
     # budget 6 over 4 requests: every request's position 1, then two of position 2
     assert chooser.budget_accepted(4, 6) == pytest.approx(4 * survival[0] + 2 * survival[1])
     assert chooser.choose(4) == 12  # verify rows cost nothing here: the whole batch's drafts
+    seed = RoundChooser(_table(lambda b, r: 0.02 * b), (1, 2, 3), "ragged",
+                        survival=lambda: torch.tensor([[0.9, 0.6, 0.2], [0.8, 0.5, 0.1]]))
+    predicted = [2 + seed.budget_accepted(2, K) for K in range(7)]  # seed §5.6.3's N column
+    assert predicted == pytest.approx([2.0, 2.9, 3.7, 4.3, 4.8, 5.0, 5.1])
+    # published for another group (2 requests, not 3): the measured chain survival, 0.5 before any round
+    assert seed.budget_accepted(3, 3) == pytest.approx(3 * 0.5)
     assert RoundChooser(_table(lambda b, r: 0.02 * b), (1, 2, 3), "ragged", static=True).choose(4) == 12
     costly = RoundChooser(_table(lambda b, r: 0.02 * b * (1 + 0.45 * (r - 1))), (1, 2, 3), "ragged")
     costly.chain, costly.overhead = chooser.chain, {}
@@ -185,7 +195,8 @@ def test_the_chooser_picks_a_batch_budget_from_measured_survival():
 def _export(drafter, target, out) -> str:
     contract = build_contract("dspark", target_fingerprint=target.target_fingerprint,
                               template_fingerprint=target.template_fingerprint, num_target_layers=target.num_layers,
-                              hidden_size=target.hidden_size, layer_ids=drafter.config.target_layer_ids, dtype="float32")
+                              hidden_size=target.hidden_size, layer_ids=drafter.config.target_layer_ids,
+                              dtype="float32")
     return str(save_drafter(out, drafter, contract=json.loads(contract.to_json()), provenance={"run": "test"}))
 
 
@@ -198,16 +209,20 @@ def test_the_engine_schedules_dspark_by_default_and_greedy_equals_generate(debug
                     max_len=256, cost_table=table)
     chooser, k = engine.versions.active.chooser, engine.worker.verify_sizes[-1]
     assert chooser.layout == "ragged" and chooser.candidates(3)[-1] == 3 * k
+    assert chooser.survival == engine.worker.published_survival  # budgets from the worker's published survival
     rounds = []
     step = engine.worker.step
-    chooser.choose = lambda batch: max(1, batch * k // 2)
     engine.worker.step = lambda *a: rounds.append(step(*a)) or rounds[-1]
-    outputs = engine.generate(prompts, SamplingParams(max_tokens=16))
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=16))  # the chooser's own budgets
+    assert any(r.speculative for r in rounds)
+    chooser.choose = lambda batch: max(1, batch * k // 2)
+    outputs += engine.generate(prompts, SamplingParams(max_tokens=16))
     for out in outputs:
         ids = list(out.prompt_ids)
         with torch.inference_mode():
-            want = debug_target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                               max_new_tokens=16, do_sample=False, pad_token_id=debug_target.pad_token_id)
+            want = debug_target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)).long(),
+                                               max_new_tokens=16, do_sample=False,
+                                               pad_token_id=debug_target.pad_token_id)
         tokens = want[0, len(ids):].tolist()
         eos = debug_target.tokenizer.eos_token_id
         assert out.token_ids == (tokens[: tokens.index(eos)] if eos in tokens else tokens)

@@ -86,7 +86,8 @@ def test_calibrate_writes_the_file_serving_reads_and_refuses_a_mismatch(debug_ta
     assert "confidence_temperature" not in loaded.state_dict()  # the weights and their sha256 are untouched
 
     path.write_text(json.dumps(dict(body, block_size=B + 1, temperatures=[1.0] * (B + 1))))
-    with pytest.raises(InvalidDrafterError, match=rf"calibration.json was fitted for block_size {B + 1}.*specray calibrate"):
+    refused = rf"calibration.json was fitted for block_size {B + 1}.*specray calibrate"
+    with pytest.raises(InvalidDrafterError, match=refused):
         _load(debug_target, out)
     path.write_text(json.dumps(dict(body, weights_sha256="sha256:other")))
     with pytest.raises(InvalidDrafterError, match="another export .weights_sha256"):
