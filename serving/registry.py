@@ -38,7 +38,8 @@ from specray.capture.store import open_fs
 log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
-EXPORT_FILES = ("config.json", "export.json", "model.safetensors")  # drafters/format.py's export directory
+# drafters/format.py's export directory, and the calibration file `specray calibrate` may add (DSpark)
+EXPORT_FILES = ("config.json", "export.json", "model.safetensors", "calibration.json")
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 
 

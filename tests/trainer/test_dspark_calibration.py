@@ -16,6 +16,7 @@ from specray.drafters.format import InvalidDrafterError, load_drafter, save_draf
 from specray.pipeline.capture_job import run_capture
 from specray.pipeline.cli import main
 from specray.pipeline.config import CaptureJobConfig, load_config
+from specray.serving.registry import DrafterRegistry
 from specray.trainer.strategies.dspark import fit_sts, survival_ece
 
 
@@ -94,3 +95,6 @@ def test_calibrate_writes_the_file_serving_reads_and_refuses_a_mismatch(debug_ta
         _load(debug_target, out)
     assert main(["calibrate", out, "--manifest", str(manifest), "--target", "debug"]) == 0  # refits over it
     assert _load(debug_target, out).confidence_temperature.tolist() == pytest.approx(result["temperatures"])
+    registry = DrafterRegistry((tmp_path / "registry").as_uri())  # a calibrated export publishes and pulls whole
+    pulled = registry.pull(registry.publish(out), tmp_path / "pulled")
+    assert _load(debug_target, pulled).confidence_temperature.tolist() == pytest.approx(result["temperatures"])
