@@ -37,9 +37,9 @@ tests run rounds through the schedule against the target's distribution (chi-squ
 
 from __future__ import annotations
 
-import torch
-
 import time
+
+import torch
 
 from specray.drafters.dspark import DSparkDrafter
 from specray.kernels.verify_schedule import schedule_verify_lens
