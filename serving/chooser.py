@@ -169,11 +169,15 @@ class RoundChooser:
 
     def predict(self, batch: int, size: int) -> tuple[float, float]:
         """(tokens, seconds) a round of ``size`` over ``batch`` requests is predicted to give."""
+        seconds = self.table.seconds(batch, self.rows(batch, size)) + self._overhead(batch, size)
         if self.layout == "ragged":
-            seconds = self.table.seconds(batch, 1 + size / batch) + self._overhead(batch, size)
             return batch + self.budget_accepted(batch, size), seconds
-        seconds = self.table.seconds(batch, 1 + size) + self._overhead(batch, size)
         return batch * (1 + self.expected_accepted(size)), seconds
+
+    def rows(self, batch: int, size: int) -> float:
+        """Target rows per request of a round of ``size`` (the cost table's axis): ``1 + size``,
+        or for a ragged worker's budget the mean ``1 + size / batch``."""
+        return 1 + (size / batch if self.layout == "ragged" else size)
 
     def budget_accepted(self, batch: int, budget: int) -> float:
         """Expected accepted drafts of a ragged round: the ``budget`` largest predicted survivals of
@@ -226,7 +230,7 @@ class RoundChooser:
         outcome.predicted_seconds += seconds_predicted
         outcome.tokens += tokens
         outcome.seconds += seconds
-        residual = seconds - deferred_seconds - self.table.seconds(batch, 1 + size)
+        residual = seconds - deferred_seconds - self.table.seconds(batch, self.rows(batch, size))
         n, mean = self.overhead.get((batch, size), (0, 0.0))
         n = min(n + 1, OVERHEAD_WINDOW)
         self.overhead[batch, size] = (n, mean + (residual - mean) / n)

@@ -199,3 +199,13 @@ def test_deferred_drafter_work_counts_in_the_round_but_not_in_its_sizes_overhead
     chooser.record(1, 2, t.seconds(1, 3) + 0.005 + 0.5, [2], [1], 2, deferred_seconds=0.5)
     assert chooser.overhead[1, 2] == (1, pytest.approx(0.005))
     assert chooser.outcomes[1, 2].seconds == pytest.approx(t.seconds(1, 3) + 0.505)
+
+
+def test_a_ragged_rounds_overhead_is_measured_against_its_mean_rows_per_request():
+    """A draft budget K over B requests runs 1 + K/B rows per request: the overhead learned from a
+    round that took the table's time for those rows plus 5 ms is 5 ms, and so is the prediction's."""
+    t = table(lambda b, r: 0.02 * b + 0.004 * b * r)
+    chooser = RoundChooser(t, (1, 2, 3, 4), layout="ragged")
+    chooser.record(4, 8, t.seconds(4, 3) + 0.005, [2, 2, 2, 2], [1, 0, 0, 1], 6)
+    assert chooser.overhead[4, 8] == (1, pytest.approx(0.005))
+    assert chooser.predict(4, 8)[1] == pytest.approx(t.seconds(4, 3) + 0.005)
