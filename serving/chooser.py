@@ -12,8 +12,9 @@ the best of several noisy estimates favours the one that was measured luckiest):
 - ``forward(B, rows)``: the cost table (``serving/cost_table.py``): the target's measured forward;
 - ``overhead(B, s)``: everything else a round costs (drafting, acceptance, commits, the
   drafter's context), learned online from each round's measured wall time minus the table's
-  forward: a running mean per batch size and round size over its last ``OVERHEAD_WINDOW``
-  rounds, shrunk toward the pooled mean of the same batch size's other round sizes (plain steps
+  forward: the median per batch size and round size of its last ``OVERHEAD_WINDOW`` rounds (a
+  median, so a batch size's first slow forwards do not linger), shrunk toward the pooled mean of
+  the same batch size's other round sizes (plain steps
   pool apart: they draft nothing), which is also what a size not yet run gets (with no round at
   that batch size: the nearest batch size's, scaled by the batch ratio; with none at all: 0).
   Pooling keeps one noisy round from deciding the next hundred;
@@ -23,8 +24,11 @@ the best of several noisy estimates favours the one that was measured luckiest):
   trees: the mean accepted length per node budget, falling back to a chain model over depths).
 
 A plain step updates no acceptance, so when speculation stops paying the chooser still runs the
-best speculative size once every ``explore_every`` decisions to keep its estimates current (a
-drafter whose acceptance improves, a load that drops). ``max_speculative_batch`` stays an upper
+best speculative size once every ``explore_every`` plain decisions to keep its estimates current
+(a drafter whose acceptance improves, a load that drops); and while it speculates it runs a
+plain step once every ``explore_every`` speculative decisions, so a plain-step estimate made
+from a few slow rounds (a batch size's first forwards build its kernels) cannot keep it
+speculating at a loss. ``max_speculative_batch`` stays an upper
 bound: a larger group takes plain steps. A chain or tree verify is padded (every request of the
 group runs ``1 + s`` rows), so one size per group is the choice per request as well.
 
@@ -50,6 +54,8 @@ useful only if its predictions hold.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -58,7 +64,7 @@ import torch
 from specray.serving.cost_table import CostTable
 
 DECAY = 0.995  # per request-round recorded: acceptance estimates follow about the last 200 of them
-OVERHEAD_WINDOW = 20  # rounds a (batch, size) overhead averages over
+OVERHEAD_WINDOW = 20  # rounds a (batch, size) overhead is the median of
 POOL_WEIGHT = 4.0  # pseudo-rounds pulling a (batch, size) overhead toward its batch size's pooled mean
 MARGIN = 0.02  # a speculative size must predict this much more than a plain step
 PRIOR_ACCEPT = 0.5  # position 1's conditional acceptance before any round (optimistic enough to try)
@@ -151,7 +157,7 @@ class RoundChooser:
     static: bool = False  # always the largest size (a fixed setting, for comparison)
     explore_every: int = 32
     survival: Callable[[], torch.Tensor] | None = None  # a ragged worker's published survival [R, k] (module doc)
-    overhead: dict[tuple[int, int], tuple[int, float]] = field(default_factory=dict)  # (rounds, mean seconds)
+    overhead: dict[tuple[int, int], tuple[int, float]] = field(default_factory=dict)  # (rounds, median seconds)
     outcomes: dict[tuple[int, int], _Outcome] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -160,7 +166,8 @@ class RoundChooser:
         self.depth = self.depth or (self.sizes[-1] if self.sizes else 0)
         self.chain = ChainAcceptance(self.depth)
         self.budgets = BudgetAcceptance(self.depth) if self.layout == "tree" else None
-        self._plain_run = 0
+        self._residuals: dict[tuple[int, int], deque] = {}  # the last OVERHEAD_WINDOW residuals per (batch, size)
+        self._runs = {False: 0, True: 0}  # decisions per kind (plain, speculative), for exploration
 
     def expected_accepted(self, size: int) -> float:
         if size == 0:
@@ -211,10 +218,10 @@ class RoundChooser:
         best = max(rates, key=lambda s: (rates[s], -s))  # ties: the smaller round
         if rates[best] < rates[0] * (1 + MARGIN):
             best = 0
-        if best == 0:
-            self._plain_run += 1
-            if self._plain_run % self.explore_every == 0:
-                best = max(sizes, key=lambda s: (rates[s], -s))
+        kind = best > 0  # explore the other kind once every explore_every decisions of one kind
+        self._runs[kind] += 1
+        if self._runs[kind] % self.explore_every == 0:
+            best = max(sizes, key=lambda s: (rates[s], -s)) if best == 0 else 0
         return best
 
     def record(self, batch: int, size: int, seconds: float, num_drafts: list[int], accepted: list[int],
@@ -231,9 +238,9 @@ class RoundChooser:
         outcome.tokens += tokens
         outcome.seconds += seconds
         residual = seconds - deferred_seconds - self.table.seconds(batch, self.rows(batch, size))
-        n, mean = self.overhead.get((batch, size), (0, 0.0))
-        n = min(n + 1, OVERHEAD_WINDOW)
-        self.overhead[batch, size] = (n, mean + (residual - mean) / n)
+        window = self._residuals.setdefault((batch, size), deque(maxlen=OVERHEAD_WINDOW))
+        window.append(residual)
+        self.overhead[batch, size] = (len(window), statistics.median(window))
         if size:
             for n, r in zip(num_drafts, accepted):
                 if self.budgets is None:
@@ -242,7 +249,7 @@ class RoundChooser:
                     self.budgets.record(size, n, r)
 
     def _overhead(self, batch: int, size: int) -> float:
-        """The overhead of (batch, size): its running mean shrunk toward the pooled mean (module doc)."""
+        """The overhead of (batch, size): its running median shrunk toward the pooled mean (module doc)."""
         cells = dict(self.overhead)
         kind = {(b, s): c for (b, s), c in cells.items() if (s > 0) == (size > 0)}
         same = [c for (b, _), c in kind.items() if b == batch]

@@ -82,6 +82,21 @@ def test_plain_steps_explore_the_best_speculative_size_now_and_then():
     assert picks.count(0) == 6 and all(p in (0, 1, 2, 3) for p in picks)
 
 
+def test_speculation_explores_a_plain_step_now_and_then_and_a_slow_first_estimate_is_corrected():
+    """Two plain steps measured 10× slow (a batch size's first forwards) make speculation look
+    better; the plain step explored every 4 speculative decisions measures it again, and once
+    its estimate holds real steps the chooser goes back to plain steps."""
+    t = table(lambda b, r: 0.02 * b * (1 + 0.3 * (r - 1)))
+    chooser = trained(RoundChooser(t, (1, 2, 3), explore_every=4), accept=0.2)
+    for _ in range(2):
+        chooser.record(1, 0, 10 * t.seconds(1, 1), [0], [0], 1)
+    picks = [chooser.choose(1) for _ in range(4)]
+    assert picks[:3] != [0, 0, 0] and picks[3] == 0  # speculating, then the explored plain step
+    for _ in range(40):
+        chooser.record(1, 0, t.seconds(1, 1), [0], [0], 1)
+    assert chooser.choose(1) == 0
+
+
 def test_chain_acceptance_predicts_untried_positions_from_the_ones_before():
     model = ChainAcceptance(4)
     for _ in range(200):
