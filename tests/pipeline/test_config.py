@@ -88,15 +88,14 @@ def test_drafter_section_is_the_algorithms_own_and_the_objective_its_strategys()
 @pytest.mark.parametrize(
     "model, overrides, message",
     [
-        ("train", ["drafter.algorithm=dspark"],
-         r"drafter\.algorithm: algorithm 'dspark' is not implemented yet .*; implemented: \['dflash'"),
         ("train", ["drafter.algorithm=medusa"],
          r"drafter\.algorithm: unknown algorithm 'medusa'; algorithms: \['eagle3', 'dflash', 'dspark', 'dflash2'\], "
          r"implemented: \['dflash'"),
         ("train", ["objective.num_anchors=0"], r"objective\.num_anchors: Input should be greater than 0"),
         ("train", ["objective.gama=1"], r"objective\.gama: unknown key\. Fix: did you mean 'gamma'\?"),
         ("train", ["drafter.blok_size=4"], r"drafter\.blok_size: unknown key\. Fix: did you mean 'block_size'\?"),
-        ("pipeline", ["train.drafter.algorithm=dspark"], r"train\.drafter\.algorithm: algorithm 'dspark' is not"),
+        ("pipeline", ["train.drafter.algorithm=dspark"],
+         r"train\.drafter\.algorithm=dspark needs features captured with capture\.algorithm=dspark \(got dflash\)"),
         ("pipeline", ["train.objective.gamma=-1"], r"train\.objective\.gamma: Input should be greater than 0"),
         ("pipeline", ["capture.algorithm=eagle3"],
          r"train\.drafter\.algorithm=dflash needs features captured with capture\.algorithm=dflash \(got eagle3\); "

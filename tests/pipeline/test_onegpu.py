@@ -112,8 +112,8 @@ def test_bad_variants_are_named():
     assert onegpu.Variant.parse({"name": "a"}).drafter.draft_vocab_size == 8192
     with pytest.raises(ValueError, match=r"variant .a.: num_anchors: Input should be greater than 0"):
         onegpu.Variant.parse({"name": "a", "objective": {"num_anchors": 0}})
-    with pytest.raises(ValueError, match=r"variant .a.: algorithm 'dspark' is not implemented yet"):
-        onegpu.Variant.parse({"name": "a", "algorithm": "dspark"})
+    with pytest.raises(ValueError, match=r"variant .a.: unknown algorithm 'medusa'"):
+        onegpu.Variant.parse({"name": "a", "algorithm": "medusa"})
     variant = onegpu.Variant.parse({"name": "a", "objective": {"gamma": 2}})
     assert variant.drafter.algorithm == "dflash" and variant.objective.gamma == 2 and variant.objective.num_anchors == 16
 
