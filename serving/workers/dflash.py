@@ -163,15 +163,22 @@ class DFlashWorker:
         t2 = time.perf_counter()
         result = accept_chains(out.logits, drafts, params, qs, generators)
         t3 = time.perf_counter()
-        rows = [len(tokens) for tokens in result.tokens]  # commit [a, d1 … dr]: r + 1 rows (0 if it failed)
+        self._commit_round(slots, out, result, (t0, t1, t2, t3), owed)
+        return StepOutput(result.tokens, [M - 1] * B, result.accepted, True, result.errors, deferred_seconds=owed)
+
+    def _commit_round(self, slots: list[int], out, result, times: tuple[float, ...], owed: float) -> None:
+        """Commit each request's ``[a, d1 … dr]`` (r + 1 rows, 0 if it failed) in the target cache and
+        the drafter's context; add the round's phase times (``times`` = start of draft, verify,
+        accept, commit; ``owed`` = the catch-up, counted in commit)."""
+        rows = [len(tokens) for tokens in result.tokens]
         for slot, n in zip(slots, rows):
             self.runner.cache.commit(slot, n)
         self._commit_context(slots, self._features(out.hidden), rows)
+        t0, t1, t2, t3 = times
         t4 = time.perf_counter()
         for phase, seconds in zip(self.phase_seconds, (t1 - t0, t2 - t1, t3 - t2, t4 - t3 + owed)):
             self.phase_seconds[phase] += seconds
         self.steps += 1
-        return StepOutput(result.tokens, [M - 1] * B, result.accepted, True, result.errors, deferred_seconds=owed)
 
     def _plain_step(self, slots: list[int], anchors: list[int], params, generators) -> StepOutput:
         """One target row per request: the AR step; the drafter context owes that row."""

@@ -144,14 +144,7 @@ class DSparkWorker(DFlashWorker):
         t2 = time.perf_counter()
         result = accept_chains(out.logits, drafts, params, qs, generators, num_drafts=num_drafts)
         t3 = time.perf_counter()
-        rows = [len(tokens) for tokens in result.tokens]  # commit [a, d1 … dr]: r + 1 rows (0 if it failed)
-        for slot, n in zip(slots, rows):
-            self.runner.cache.commit(slot, n)
-        self._commit_context(slots, self._features(out.hidden), rows)
-        t4 = time.perf_counter()
-        for phase, seconds in zip(self.phase_seconds, (t1 - t0, t2 - t1, t3 - t2, t4 - t3 + owed)):
-            self.phase_seconds[phase] += seconds
-        self.steps += 1
+        self._commit_round(slots, out, result, (t0, t1, t2, t3), owed)
         return StepOutput(result.tokens, num_drafts, result.accepted, True, result.errors, deferred_seconds=owed)
 
     def _verify(self, slots: list[int], anchors: list[int], drafts: torch.Tensor, num_drafts: list[int]):
