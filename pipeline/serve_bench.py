@@ -438,6 +438,8 @@ def _rounds_text(rounds: dict | None) -> str:
     if not rounds:
         return ""
     sizes = " ".join(f"{size}:{n}" for size, n in sorted(rounds["rounds_by_size"].items(), key=lambda kv: int(kv[0])))
+    if rounds["predicted_tokens_per_s"] is None:  # a static engine without a cost table predicts nothing
+        return f"{sizes} ({rounds['measured_tokens_per_s']:.1f} tokens/s)"
     return (f"{sizes} ({rounds['predicted_tokens_per_s']:.1f} vs {rounds['measured_tokens_per_s']:.1f}, "
             f"{100 * rounds['prediction_error']:+.0f}%)")
 

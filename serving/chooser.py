@@ -147,9 +147,10 @@ class RoundChooser:
     or "ragged": sizes are then draft budgets of the group, module doc); ``depth``: the most
     drafts one path can accept (a chain: ``sizes[-1]``); ``static``: every round of a group
     within ``max_speculative_batch`` runs the largest size (a fixed setting, what the chooser is
-    compared with); ``survival``: a ragged worker's ``published_survival``."""
+    compared with); ``survival``: a ragged worker's ``published_survival``. ``table`` may be None
+    only when ``static`` (nothing is chosen): rounds are then counted and timed, not predicted."""
 
-    table: CostTable
+    table: CostTable | None
     sizes: tuple[int, ...]
     layout: str = "chain"
     depth: int | None = None
@@ -163,6 +164,8 @@ class RoundChooser:
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise ValueError(f"verify_layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.table is None and not self.static:
+            raise ValueError("the chooser needs a cost table unless static (every round the largest size)")
         self.depth = self.depth or (self.sizes[-1] if self.sizes else 0)
         self.chain = ChainAcceptance(self.depth)
         self.budgets = BudgetAcceptance(self.depth) if self.layout == "tree" else None
@@ -230,17 +233,18 @@ class RoundChooser:
         (requests that failed excluded), and the tokens it emitted. ``deferred_seconds`` of the
         round did drafter work earlier plain steps owed: counted in the round's measured time,
         not in the overhead learned for its size."""
-        tokens_predicted, seconds_predicted = self.predict(batch, size)
         outcome = self.outcomes.setdefault((batch, size), _Outcome())
         outcome.rounds += 1
-        outcome.predicted_tokens += tokens_predicted
-        outcome.predicted_seconds += seconds_predicted
         outcome.tokens += tokens
         outcome.seconds += seconds
-        residual = seconds - deferred_seconds - self.table.seconds(batch, self.rows(batch, size))
-        window = self._residuals.setdefault((batch, size), deque(maxlen=OVERHEAD_WINDOW))
-        window.append(residual)
-        self.overhead[batch, size] = (len(window), statistics.median(window))
+        if self.table is not None:
+            tokens_predicted, seconds_predicted = self.predict(batch, size)
+            outcome.predicted_tokens += tokens_predicted
+            outcome.predicted_seconds += seconds_predicted
+            residual = seconds - deferred_seconds - self.table.seconds(batch, self.rows(batch, size))
+            window = self._residuals.setdefault((batch, size), deque(maxlen=OVERHEAD_WINDOW))
+            window.append(residual)
+            self.overhead[batch, size] = (len(window), statistics.median(window))
         if size:
             for n, r in zip(num_drafts, accepted):
                 if self.budgets is None:
@@ -284,9 +288,10 @@ class RoundChooser:
             seconds += o.seconds - before.seconds
         if not rounds:
             return None
-        predicted, measured = predicted_tokens / predicted_seconds, tokens / seconds
+        measured = tokens / seconds
+        predicted = predicted_tokens / predicted_seconds if self.table is not None else None
         return {"rounds_by_size": rounds, "predicted_tokens_per_s": predicted, "measured_tokens_per_s": measured,
-                "prediction_error": predicted / measured - 1}
+                "prediction_error": predicted / measured - 1 if predicted is not None else None}
 
     def summary(self) -> dict:
         """``report`` per group size (the engine's ``stats()["chooser"]``)."""

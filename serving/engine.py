@@ -75,7 +75,8 @@ class Engine:
         an upper bound — a group of more requests of one drafter version takes plain steps (None =
         no bound). ``tree``: draft trees with the algorithm's tree worker. ``cost_table``: a table
         from ``specray profile`` (a path or a ``CostTable``; checked against this machine), or None
-        to measure one when the first drafter is loaded. All apply to every drafter version this
+        to measure one when the first drafter is loaded ("static" needs none: it chooses nothing).
+        All apply to every drafter version this
         engine loads. ``max_waiting``: requests that may wait for a slot (None = unbounded, for
         offline batch jobs that queue everything)."""
         if num_speculative_tokens is not None and num_speculative_tokens < 1:

@@ -142,9 +142,11 @@ class DrafterVersions:
         return DrafterVersion(version, worker, drafter, layer_ids, chooser=self._chooser(worker))
 
     def _chooser(self, worker: Worker) -> RoundChooser:
-        return RoundChooser(self._table(worker.max_verify_rows), worker.verify_sizes, worker.verify_layout,
+        static = self._speculation == "static"
+        table = None if static and self.cost_table is None else self._table(worker.max_verify_rows)
+        return RoundChooser(table, worker.verify_sizes, worker.verify_layout,
                             depth=getattr(worker, "max_depth", None), max_speculative_batch=self._max_speculative_batch,
-                            static=self._speculation == "static", survival=getattr(worker, "published_survival", None))
+                            static=static, survival=getattr(worker, "published_survival", None))
 
     def _table(self, max_rows: int) -> CostTable:
         """The engine's cost table; when none was given, measured once per process and shape on a

@@ -64,6 +64,9 @@ class TrainBatch:
     last_hidden_states: torch.Tensor | None  # [B, T, D] float32 when the contract stores it, else None
     sample_ids: list[str]
     num_tokens: int  # real tokens in the batch (attention_mask.sum())
+    # [B, T] bool: the only positions a block (or chain) may start at, e.g. the anchors a served
+    # round used (pipeline/fidelity.py); None = every valid anchor (training)
+    anchor_mask: torch.Tensor | None = None
 
 
 def epoch_permutation(num_samples: int, seed: int, epoch: int) -> torch.Tensor:

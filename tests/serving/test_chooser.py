@@ -224,3 +224,15 @@ def test_a_ragged_rounds_overhead_is_measured_against_its_mean_rows_per_request(
     chooser.record(4, 8, t.seconds(4, 3) + 0.005, [2, 2, 2, 2], [1, 0, 0, 1], 6)
     assert chooser.overhead[4, 8] == (1, pytest.approx(0.005))
     assert chooser.predict(4, 8)[1] == pytest.approx(t.seconds(4, 3) + 0.005)
+
+
+def test_static_chooser_needs_no_cost_table():
+    """A static chooser picks the largest size and counts rounds without predicting; an automatic one needs a table."""
+    static = RoundChooser(None, (1, 2, 3), static=True)
+    assert static.choose(2) == 3
+    static.record(2, 3, 0.5, [3, 3], [1, 2], 5)
+    report = static.report()
+    assert report["rounds_by_size"] == {"3": 1} and report["measured_tokens_per_s"] == 10.0
+    assert report["predicted_tokens_per_s"] is None and report["prediction_error"] is None
+    with pytest.raises(ValueError, match="cost table"):
+        RoundChooser(None, (1, 2, 3))

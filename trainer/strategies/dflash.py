@@ -54,12 +54,16 @@ def valid_anchor_mask(loss_mask: torch.Tensor) -> torch.Tensor:
     return valid
 
 
-def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
-    """[Bt, N] sorted anchor positions, −1 where a sequence has fewer than N valid anchors.
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator,
+                   allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """[Bt, N] sorted anchor positions, −1 where a sequence has fewer than N valid anchors (valid:
+    ``valid_anchor_mask``, and ``allowed`` [Bt, T] when given — a batch's ``anchor_mask``).
 
     Drawn on the CPU from the (CPU) ``generator`` whatever device ``loss_mask`` is on, so a CUDA
     run draws the same anchors as a CPU run; returned on ``loss_mask``'s device."""
     valid = valid_anchor_mask(loss_mask.cpu())
+    if allowed is not None:
+        valid &= allowed.cpu()
     anchors = torch.full((loss_mask.shape[0], num_anchors), -1, dtype=torch.long)
     for row in range(loss_mask.shape[0]):
         candidates = valid[row].nonzero().flatten()
@@ -133,7 +137,7 @@ class DFlashStrategy:
     def forward_loss(self, model: nn.Module, config: DFlashConfig, batch: TrainBatch, generator: torch.Generator):
         """(loss, metric sums) for one micro-batch; ``model`` may be DDP-wrapped."""
         B = config.block_size
-        anchors = sample_anchors(batch.loss_mask, self.num_anchors, generator)  # [Bt, N]
+        anchors = sample_anchors(batch.loss_mask, self.num_anchors, generator, batch.anchor_mask)  # [Bt, N]
         anchor_ids = torch.gather(batch.input_ids, 1, anchors.clamp(min=0))
         logits = model(batch.hidden_states, batch.attention_mask, anchor_ids, anchors)  # [Bt, N, m, V or V_d]
         labels, supervised = block_labels(batch.input_ids, batch.loss_mask, anchors, B)

@@ -110,7 +110,7 @@ class DFlash2Strategy(DFlashStrategy):
     def forward_loss(self, model: nn.Module, config: DFlash2Config, batch: TrainBatch, generator: torch.Generator):
         """(loss, metric sums) for one micro-batch; ``model`` may be DDP-wrapped."""
         B = config.block_size
-        anchors = sample_anchors(batch.loss_mask, self.num_anchors, generator)  # [Bt, N]
+        anchors = sample_anchors(batch.loss_mask, self.num_anchors, generator, batch.anchor_mask)  # [Bt, N]
         anchor_ids = torch.gather(batch.input_ids, 1, anchors.clamp(min=0))
         labels, supervised = block_labels(batch.input_ids, batch.loss_mask, anchors, B)  # [Bt, N, m]
         predecessors = torch.cat([anchor_ids[..., None], labels[..., :-1]], dim=-1)  # true predecessors

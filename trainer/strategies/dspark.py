@@ -163,7 +163,7 @@ class DSparkStrategy(DFlashStrategy):
                              "capture.algorithm=dspark")
         B = config.block_size
         drafter = getattr(model, "module", model)  # unwrap DDP
-        anchors = sample_anchors(batch.loss_mask, self.num_anchors, generator)  # [Bt, N]
+        anchors = sample_anchors(batch.loss_mask, self.num_anchors, generator, batch.anchor_mask)  # [Bt, N]
         labels, prev_ids, supervised = dspark_labels(batch.input_ids, batch.loss_mask, anchors, B)  # [Bt, N, B]
         predecessors = anchors.clamp(min=0)[..., None] + torch.arange(B, device=anchors.device)  # [Bt, N, B]
         p = teacher(drafter, batch.last_hidden_states, predecessors, supervised)  # [Bt, N, B, V_d]

@@ -134,6 +134,8 @@ class Eagle3Strategy:
                              "capture.algorithm=eagle3")
         drafter = getattr(model, "module", model)  # unwrap DDP
         supervised = supervised_rows(batch.loss_mask, self.ttt_length)  # [N, B, T]
+        if batch.anchor_mask is not None:  # row t's chain starts at the anchor x[t + 1]
+            supervised &= shifted(batch.anchor_mask, 1)
         # the teacher of step i row t sits at t + 1 + i, inside the row's answer run: there
         # loss_mask holds at that position and the next (a superset of what the steps read)
         needed = batch.loss_mask & shifted(batch.loss_mask, 1)
