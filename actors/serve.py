@@ -15,7 +15,8 @@ request guard (API key or loopback clients only, body and prompt limits: ``http.
 adds only what Ray is for: the proxy on ``http.host:http.port`` (127.0.0.1 by default; any other
 host is refused without an API key), Serve's autoscaler between ``min_replicas`` and
 ``max_replicas`` aiming at ``target_ongoing_requests`` per replica, and replacement of a
-replica that died or whose engine loop thread stopped (``check_health``). Local paths in the
+replica that died or whose engine loop thread stopped (``check_health``). With ``record.uri`` each
+replica records its finished requests under ``<record.uri>/<replica id>/`` (serving/recorder.py). Local paths in the
 config are made absolute for the replicas; on a cluster of several machines use an ``s3://``
 registry, since replicas may run where the driver's files are not.
 """
@@ -39,6 +40,7 @@ from specray.capture.target import load_target
 from specray.serving.engine import Engine, EngineLoop
 from specray.serving.http_guard import HttpLimits, is_loopback
 from specray.serving.openai_api import create_app
+from specray.serving.recorder import RecordSettings, TrafficRecorder
 from specray.serving.registry import DrafterRegistry, RegistryPoller
 
 if TYPE_CHECKING:
@@ -68,6 +70,7 @@ class ReplicaSpec:
     tree: bool = False
     cost_table: str | None = None  # absolute
     limits: HttpLimits = field(default_factory=HttpLimits)  # the config's http.limits
+    record: RecordSettings = field(default_factory=RecordSettings)  # the config's record section; uri absolute
 
 
 def _absolute_uri(uri: str) -> str:
@@ -91,6 +94,7 @@ def replica_spec(cfg: ServeJobConfig, api_key: str | None) -> ReplicaSpec:
         max_speculative_batch=cfg.engine.max_speculative_batch, speculation=cfg.engine.speculation,
         tree=cfg.engine.tree, cost_table=str(Path(cfg.engine.cost_table).resolve()) if cfg.engine.cost_table else None,
         limits=cfg.http.limits,
+        record=cfg.record.model_copy(update={"uri": _absolute_uri(cfg.record.uri)}) if cfg.record.uri else cfg.record,
     )
 
 
@@ -110,6 +114,7 @@ class SpecrayReplica:
                              max_speculative_batch=spec.max_speculative_batch, speculation=spec.speculation,
                              tree=spec.tree, cost_table=spec.cost_table)
         self.loop = EngineLoop(self.engine).start()
+        self.recorder = TrafficRecorder(spec.record, self.replica).start() if spec.record.enabled else None
         self.poller = None
         if spec.registry_uri:
             registry = DrafterRegistry(spec.registry_uri, endpoint_url=spec.registry_endpoint_url)
@@ -118,7 +123,8 @@ class SpecrayReplica:
 
     def __serve_build_asgi_app__(self):
         return create_app(self.engine, model_name=self.spec.model_name, api_key=self.spec.api_key,
-                          limits=self.spec.limits, replica_id=self.replica, replica_info=self.info)
+                          limits=self.spec.limits, replica_id=self.replica, replica_info=self.info,
+                          recorder=self.recorder)
 
     def info(self) -> dict:
         """Shown by /metrics (behind the key): why hot-loading last failed."""
@@ -132,6 +138,8 @@ class SpecrayReplica:
         if self.poller is not None:
             self.poller.stop(timeout=5)
         self.loop.stop(timeout=5)
+        if self.recorder is not None:  # writes what is queued and buffered
+            self.recorder.close(timeout=10)
 
 
 @dataclass(frozen=True)

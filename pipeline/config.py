@@ -20,6 +20,7 @@ from specray.capture.data import DATASETS
 from specray.capture.target import DEFAULT_TARGET
 from specray.drafters import DEFAULT_ALGORITHM, DRAFTERS, get_drafter
 from specray.serving.http_guard import HttpLimits
+from specray.serving.recorder import RecordSettings
 from specray.trainer.assembly import TrainSpec, check_capture_fits
 from specray.trainer.core import OptimSettings
 from specray.trainer.strategies import get_strategy
@@ -42,7 +43,8 @@ class TargetConfig(Section):
 
 
 class DataConfig(Section):
-    dataset: str = Field("sharegpt", description="sharegpt, or jsonl:PATH (mtbench/humaneval are eval-only)")
+    dataset: str = Field("sharegpt", description="sharegpt, jsonl:PATH, or records:URI (recorded served traffic; "
+                                                 "mtbench/humaneval are eval-only)")
     skip: int = Field(0, ge=0, description="skip the first N conversations (e.g. a held-out slice after a training slice)")
     max_samples: int | None = Field(None, gt=0, description="use at most this many conversations (None = all)")
     max_length: int = Field(2048, gt=0, description="maximum tokens per rendered sample")
@@ -57,8 +59,12 @@ class DataConfig(Section):
             if not value.removeprefix("jsonl:"):
                 raise ValueError("jsonl: needs a path, e.g. jsonl:data/chats.jsonl")
             return value
+        if value.startswith("records:"):
+            if not value.removeprefix("records:"):
+                raise ValueError("records: needs the record store (serve.record.uri), e.g. records:s3://bucket/traffic")
+            return value
         if value not in DATASETS:
-            raise ValueError(f"unknown dataset {value!r}; use one of {sorted(DATASETS)} or jsonl:PATH")
+            raise ValueError(f"unknown dataset {value!r}; use one of {sorted(DATASETS)}, jsonl:PATH or records:URI")
         if DATASETS[value].split == "eval":
             raise ValueError(f"{value!r} is held out for evaluation; capture training data from sharegpt or jsonl:PATH")
         return value
@@ -360,6 +366,13 @@ class HttpSection(Section):
     )
 
 
+def _record_field() -> Any:
+    return Field(default_factory=RecordSettings,
+                 description="record served traffic (users' prompts and answers) as JSONL shards: uri (None = off), "
+                             "endpoint_url, sample_rate, records_per_shard, flush_interval_s, max_queue "
+                             "(serving/recorder.py)")
+
+
 class ServeOutputSection(Section):
     run_dir: str | None = Field(None, description="pulled drafter versions go under it (None = runs/<name>)")
 
@@ -375,6 +388,7 @@ class ServeJobConfig(JobConfig):
     autoscaling: AutoscalingSection = AutoscalingSection()
     replica: ReplicaSection = ReplicaSection()
     http: HttpSection = HttpSection()
+    record: RecordSettings = _record_field()
     ray: RaySection = RaySection()
     output: ServeOutputSection = ServeOutputSection()
 
@@ -400,6 +414,7 @@ class PipelineServeSection(Section):
     autoscaling: AutoscalingSection = AutoscalingSection()
     replica: ReplicaSection = ReplicaSection()
     http: HttpSection = HttpSection()
+    record: RecordSettings = _record_field()
 
 
 class PipelineOutputSection(Section):
@@ -488,6 +503,7 @@ class PipelineConfig(JobConfig):
             name=self.name, target=self.target, engine=s.engine,
             registry=RegistrySection(uri=self.registry_uri, endpoint_url=self.store.endpoint_url, poll_interval_s=1.0),
             autoscaling=s.autoscaling, replica=s.replica, http=s.http, ray=self.ray,
+            record=s.record.model_copy(update={"endpoint_url": s.record.endpoint_url or self.store.endpoint_url}),
             output=ServeOutputSection(run_dir=str(self.run_dir / "serve")),
         )
 

@@ -24,8 +24,14 @@ or an out-of-range field is a 400 naming the field (FastAPI's 422 becomes 400), 
 (empty prompt, longer than the context) a 400 with the engine's message. The engine keeps
 serving after any of them.
 
+With a ``recorder`` (serving/recorder.py, the serve config's ``record`` section), every request
+that finished normally (``stop`` or ``length``; not errors, aborts or cancellations) is offered to
+it as a record of its prompt and answer; the recorder never blocks or fails the request, and its
+counters appear in /metrics (``recording`` in JSON; ``specray_records_*`` in Prometheus).
+
 The app needs an engine-like object, not Ray: ``submit(prompt, SamplingParams) ->
-RequestHandle``, ``tokenize(text)``, ``stats()``; someone else steps it (``EngineLoop``).
+RequestHandle``, ``tokenize(text)``, ``decode(ids)``, ``stats()``; someone else steps it
+(``EngineLoop``).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from specray.serving.engine import GenerationOutput, QueueFullError, RequestHandle, StreamDelta
 from specray.serving.http_guard import DOCS_PATHS, HttpLimits, RequestGuard, error_response
+from specray.serving.recorder import FINISHED, TrafficRecorder, chat_record, completion_record
 from specray.serving.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
 
 DEFAULT_CHAT_MAX_TOKENS = 256  # when a chat request sets neither max_tokens nor max_completion_tokens
@@ -178,8 +185,9 @@ def _sse(data: dict | str) -> str:
 class _Responder:
     """Builds the completion or chat body and stream chunks for one request."""
 
-    def __init__(self, chat: bool, model: str, handle: RequestHandle):
-        self.chat, self.model, self.handle = chat, model, handle
+    def __init__(self, chat: bool, model: str, handle: RequestHandle,
+                 on_finish: Callable[[_Responder, GenerationOutput], None] | None = None):
+        self.chat, self.model, self.handle, self.on_finish = chat, model, handle, on_finish
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
         self.created = int(time.time())
@@ -217,12 +225,18 @@ class _Responder:
             except Exception as e:  # noqa: BLE001 - the 200 is sent: an in-band error is all a client can get
                 yield _sse(APIError(500, f"generation failed: {e}", type="server_error").body)
                 return
+            self.finished(self.handle.result(timeout=0))  # the last delta came: the output is there
             if include_usage:
                 yield _sse(self._envelope(self.chunk_object, []) | {"usage": _usage(self.handle, tokens)})
             yield _sse("[DONE]")
         finally:
             if not self.handle.done:  # the client went away: free the slot
                 self.handle.abort()
+
+    def finished(self, out: GenerationOutput) -> None:
+        """Hand a request that finished normally to ``on_finish`` (the traffic recorder)."""
+        if self.on_finish is not None and out.finish_reason in FINISHED:
+            self.on_finish(self, out)
 
     def _delta_chunks(self, delta: StreamDelta) -> list[dict]:
         chunks = []
@@ -236,7 +250,7 @@ class _Responder:
 # -- the app -----------------------------------------------------------------------------
 
 
-def _prometheus(stats: dict, model: str) -> str:
+def _prometheus(stats: dict, model: str, recording: dict | None = None) -> str:
     lines = []
 
     def metric(name: str, kind: str, help: str, samples: list[tuple[str, float]]) -> None:
@@ -265,14 +279,24 @@ def _prometheus(stats: dict, model: str) -> str:
             sizes[int(size)] = sizes.get(int(size), 0) + n
     metric("rounds_total", "counter", "rounds of the active drafter by the size its chooser picked (0 = a plain step)",
            [(f",size=\"{size}\"", n) for size, n in sorted(sizes.items())])
+    if recording is not None:
+        metric("records_written_total", "counter", "finished requests recorded in written shards",
+               [("", recording["recorded"])])
+        metric("records_dropped_total", "counter", "records lost to a full queue or a failed shard write",
+               [("", recording["dropped"])])
+        metric("record_shards_written_total", "counter", "record shards written", [("", recording["shards_written"])])
+        metric("record_write_errors_total", "counter", "record shard writes that failed",
+               [("", recording["write_errors"])])
     return "\n".join(lines) + "\n"
 
 
 def create_app(engine, *, model_name: str, api_key: str | None = None, limits: HttpLimits | None = None,
-               replica_id: str | None = None, replica_info: Callable[[], dict] | None = None) -> FastAPI:
+               replica_id: str | None = None, replica_info: Callable[[], dict] | None = None,
+               recorder: TrafficRecorder | None = None) -> FastAPI:
     """The OpenAI-compatible app over ``engine`` behind its ``RequestGuard`` (see the module
     docstring). ``replica_id`` names the replica in /health and /metrics; ``replica_info()`` is
-    added to /metrics only (its hot-load state may name paths and errors)."""
+    added to /metrics only (its hot-load state may name paths and errors); ``recorder`` records
+    the requests that finish normally."""
     limits = limits or HttpLimits()
     docs = {"docs_url": "/docs", "redoc_url": "/redoc", "openapi_url": "/openapi.json"} if limits.docs else {
         "docs_url": None, "redoc_url": None, "openapi_url": None}
@@ -305,13 +329,33 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, limits: H
             raise APIError(503, f"the server is busy, retry later: {e}", type="server_error", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
 
-    async def answer(chat: bool, request: _SamplingFields, handle: RequestHandle):
-        responder = _Responder(chat, model_name, handle)
+    def record(prompt: list[dict] | str | list[int]) -> Callable[[_Responder, GenerationOutput], None] | None:
+        """The ``on_finish`` that offers a finished request to the recorder (None without one)."""
+        if recorder is None:
+            return None
+
+        def offer(responder: _Responder, out: GenerationOutput) -> None:
+            fields = {"id": responder.id, "created": responder.created, "model": model_name,
+                      "drafter_version": out.drafter_version, "temperature": responder.handle.params.temperature,
+                      "top_p": responder.handle.params.top_p, "max_tokens": responder.handle.params.max_tokens,
+                      "finish_reason": out.finish_reason, "prompt_tokens": len(out.prompt_ids),
+                      "completion_tokens": len(out.token_ids)}
+            if responder.chat:
+                recorder.offer(chat_record(prompt, out.text, **fields))
+            else:
+                text = prompt if isinstance(prompt, str) else engine.decode(prompt)
+                recorder.offer(completion_record(text, out.text, **fields))
+        return offer
+
+    async def answer(chat: bool, request: _SamplingFields, handle: RequestHandle, prompt):
+        responder = _Responder(chat, model_name, handle, on_finish=record(prompt))
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return StreamingResponse(responder.stream(include_usage), media_type="text/event-stream")
         try:
-            return responder.body(await handle.aresult())
+            out = await handle.aresult()
+            responder.finished(out)
+            return responder.body(out)
         finally:
             if not handle.done:  # cancelled: the client went away
                 handle.abort()
@@ -323,7 +367,7 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, limits: H
             check_prompt_bytes([request.prompt], "prompt")
         prompt = engine.tokenize(request.prompt) if isinstance(request.prompt, str) else request.prompt
         handle = submit(prompt, request, request.max_tokens)
-        return await answer(False, request, handle)
+        return await answer(False, request, handle, request.prompt)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest):
@@ -332,7 +376,7 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, limits: H
         max_tokens = request.max_completion_tokens or request.max_tokens or DEFAULT_CHAT_MAX_TOKENS
         messages = [m.model_dump() for m in request.messages]
         handle = submit(messages, request, max_tokens)
-        return await answer(True, request, handle)
+        return await answer(True, request, handle, messages)
 
     @app.get("/v1/models")
     async def models():
@@ -346,8 +390,9 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, limits: H
     @app.get("/metrics")
     async def metrics(format: Literal["json", "prometheus"] = "json"):
         stats = engine.stats()
+        recording = recorder.stats() if recorder is not None else None
         if format == "prometheus":
-            return PlainTextResponse(_prometheus(stats, model_name), media_type="text/plain; version=0.0.4")
-        return {"model": model_name, "replica": replica_id} | stats | info()
+            return PlainTextResponse(_prometheus(stats, model_name, recording), media_type="text/plain; version=0.0.4")
+        return {"model": model_name, "replica": replica_id} | stats | info() | {"recording": recording}
 
     return app
