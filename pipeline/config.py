@@ -207,6 +207,40 @@ class TrainerSection(Section):
     keep_last: int | None = Field(2, gt=0, description="checkpoints kept (None = all)")
 
 
+class LiveEvalSection(Section):
+    """Live acceptance at each checkpoint (serving/live_eval.py): the drafter decodes held-out prompts
+    greedily on the serving engine, verifying its largest round every round."""
+
+    enabled: bool = Field(True, description="measure tau_live and live_accept_by_pos at every checkpoint (rank 0)")
+    dataset: str = Field("mtbench", description="held-out prompts: mtbench, humaneval or jsonl:PATH (each record's "
+                                                "turns before its first answer)")
+    num_prompts: int = Field(16, gt=0, description="prompts decoded at each checkpoint")
+    max_tokens: int = Field(32, gt=0, description="new tokens per prompt")
+    num_speculative_tokens: int | None = Field(
+        None, gt=0, description="drafts verified every round (None = the worker's largest, e.g. DFlash's block - 1)")
+    batch_size: int = Field(4, gt=0, description="prompts decoded at once (bench serve at this batch size agrees)")
+
+    @field_validator("dataset")
+    @classmethod
+    def _known_dataset(cls, value: str) -> str:
+        if value not in ("mtbench", "humaneval") and not (value.startswith("jsonl:") and len(value) > 6):
+            raise ValueError(f"unknown live_eval dataset {value!r}; use mtbench, humaneval or jsonl:PATH")
+        return value
+
+    def settings(self):
+        """The plain settings a trainer rank gets (None when off)."""
+        from specray.serving.live_eval import LiveEvalSettings
+
+        if not self.enabled:
+            return None
+        return LiveEvalSettings(**self.model_dump(exclude={"enabled"}))
+
+
+def _live_eval_field() -> Any:
+    return Field(default_factory=LiveEvalSection,
+                 description="live acceptance at each checkpoint: held-out prompts on the serving engine")
+
+
 class TrainOutputSection(Section):
     run_dir: str | None = Field(None, description="checkpoints, metrics.jsonl, curves.png (None = runs/<name>)")
     resume: bool = Field(True, description="continue from the run dir's latest checkpoint if there is one")
@@ -222,6 +256,7 @@ class TrainJobConfig(JobConfig):
     objective: SerializeAsAny[BaseModel] = _objective_field()
     optim: OptimSection = OptimSection()
     trainer: TrainerSection = TrainerSection()
+    live_eval: LiveEvalSection = _live_eval_field()
     output: TrainOutputSection = TrainOutputSection()
 
     _drafter = field_validator("drafter", mode="before")(classmethod(_drafter_section))
@@ -241,7 +276,7 @@ class TrainJobConfig(JobConfig):
             manifest=_absolute(self.data.manifest) if self.data.manifest else None,
             endpoint_url=self.data.endpoint_url, max_length=self.data.max_length,
             world_size=t.world_size, log_every=t.log_every, checkpoint_every=t.checkpoint_every,
-            keep_last=t.keep_last, config=self.model_dump(mode="json"),
+            keep_last=t.keep_last, config=self.model_dump(mode="json"), live_eval=self.live_eval.settings(),
         )
 
 
@@ -266,6 +301,7 @@ class PipelineTrainSection(Section):
     log_every: int = Field(10, gt=0)
     checkpoint_every: int = Field(50, gt=0)
     storage: str | None = Field(None, description="Ray Train checkpoint storage: a path or s3://… (None = <run_dir>/ray-train)")
+    live_eval: LiveEvalSection = _live_eval_field()
 
     _drafter = field_validator("drafter", mode="before")(classmethod(_drafter_section))
     _objective = field_validator("objective", mode="before")(classmethod(_objective_section))
@@ -417,6 +453,30 @@ class PipelineServeSection(Section):
     record: RecordSettings = _record_field()
 
 
+class ClosedLoopLoadSection(Section):
+    dataset: Literal["mtbench", "humaneval"] = Field("humaneval", description="prompts the load generator sends, "
+                                                                                "in order, each once per pass")
+    num_prompts: int | None = Field(None, gt=0, description="use the first N prompts (None = all of them)")
+    clients: int = Field(2, gt=0, description="concurrent `openai` clients streaming greedy chat completions")
+    max_tokens: int = Field(64, gt=0, description="tokens per answer at most")
+    request_timeout_s: float = Field(300.0, gt=0, description="a request taking longer fails (and is counted)")
+    pause_s: float = Field(0.0, ge=0, description="each client waits this long between requests (0 = back to back)")
+
+
+class ClosedLoopSection(Section):
+    iterations: int = Field(2, gt=0, description="loop iterations: each trains, publishes and hot-loads one version")
+    time_budget_s: float | None = Field(None, gt=0, description="start no iteration after this many seconds of "
+                                                                "the loop (None = run every iteration)")
+    records_per_iteration: int = Field(
+        16, gt=0, description="an iteration starts once shards no iteration took hold this many chat records, and "
+                              "takes the oldest whole shards that hold at least this many (the rest wait for the next "
+                              "iteration); the newest version serves this many requests before the loop ends")
+    records_timeout_s: float = Field(1800.0, gt=0, description="waiting longer for records fails the run")
+    hot_load_timeout_s: float = Field(600.0, gt=0, description="every replica must serve a new version within this")
+    load: ClosedLoopLoadSection = Field(default_factory=ClosedLoopLoadSection,
+                                        description="the traffic: a load generator of `openai` clients")
+
+
 class PipelineOutputSection(Section):
     run_dir: str | None = Field(None, description="everything the run writes, report.json included (None = runs/<name>)")
 
@@ -425,9 +485,11 @@ class PipelineConfig(JobConfig):
     """``specray pipeline run``: capture → train → export → serve → bench on Ray, one report."""
 
     name: str = Field("pipeline", description="run name; the default run dir is runs/<name>")
-    mode: Literal["offline", "online"] = Field(
+    mode: Literal["offline", "online", "closed_loop"] = Field(
         "offline", description="offline: capture everything, then train on the manifest; online: capture actors "
-                               "and the trainer gang run at once, consume-once, bounded store",
+                               "and the trainer gang run at once, consume-once, bounded store; closed_loop: serve, "
+                               "record the traffic and retrain on it online, version after version "
+                               "(pipeline/closed_loop_job.py)",
     )
     ray: RaySection = RaySection()
     target: TargetConfig = TargetConfig()
@@ -438,6 +500,8 @@ class PipelineConfig(JobConfig):
     online: OnlineSection = OnlineSection()
     serve: PipelineServeSection = PipelineServeSection()
     bench: PipelineBenchSection = PipelineBenchSection()
+    closed_loop: ClosedLoopSection = Field(default_factory=ClosedLoopSection,
+                                           description="mode=closed_loop: iterations, records per iteration, the load")
     output: PipelineOutputSection = PipelineOutputSection()
 
     @model_validator(mode="after")
@@ -446,7 +510,7 @@ class PipelineConfig(JobConfig):
         o, t = self.online, self.train
         window = t.num_workers * t.optim.micro_batch_size * t.optim.accumulation_steps
         need = window * t.checkpoint_every  # features are deleted only once a checkpoint covers them
-        if self.mode == "online" and o.max_inflight_samples < need:
+        if self.mode != "offline" and o.max_inflight_samples < need:  # closed_loop iterations train online
             raise ValueError(
                 f"online.max_inflight_samples={o.max_inflight_samples} cannot hold one checkpoint interval: "
                 f"Q = train.num_workers x train.optim.micro_batch_size x train.optim.accumulation_steps = {window} "
@@ -461,18 +525,31 @@ class PipelineConfig(JobConfig):
                 "or mode=online"
             )
         d = self.train.drafter
-        if self.mode == "online" and d.draft_vocab_size is not None and not d.init_from:
+        if self.mode == "online" and d.draft_vocab_size is not None and not d.init_from and not d.draft_vocab_from:
             raise ValueError(
                 f"train.drafter.draft_vocab_size={d.draft_vocab_size} is counted from a finished capture's manifest, "
-                "and online training streams features that do not exist yet: use mode=offline, set "
+                "and online training streams features that do not exist yet: set train.drafter.draft_vocab_from=<a "
+                "manifest, or a dataset: sharegpt, jsonl:PATH, records:URI> to count it from, use mode=offline, set "
                 "train.drafter.init_from=<an export with a draft vocabulary>, or train.drafter.draft_vocab_size=null"
             )
-        if self.mode == "online" and self.capture.max_batch_size > o.max_inflight_samples:
+        if self.mode != "offline" and self.capture.max_batch_size > o.max_inflight_samples:
             raise ValueError(
                 f"capture.max_batch_size={self.capture.max_batch_size} exceeds online.max_inflight_samples="
                 f"{o.max_inflight_samples}: a capture batch reserves room for all its samples before it runs; "
                 f"lower capture.max_batch_size"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _closed_loop_serves_fixed_replicas(self) -> "PipelineConfig":
+        if self.mode != "closed_loop":
+            return self
+        if not self.serve.enabled:
+            raise ValueError("mode=closed_loop serves the traffic it trains on: set serve.enabled=true")
+        a = self.serve.autoscaling
+        if a.min_replicas != a.max_replicas:
+            raise ValueError(f"mode=closed_loop waits for every replica to hot-load each version: set "
+                             f"serve.autoscaling.max_replicas={a.min_replicas} (= min_replicas; got {a.max_replicas})")
         return self
 
     @property
@@ -494,6 +571,7 @@ class PipelineConfig(JobConfig):
             data=TrainDataConfig(manifest=manifest, endpoint_url=self.store.endpoint_url),
             drafter=t.drafter, objective=t.objective, optim=t.optim,
             trainer=TrainerSection(world_size=t.num_workers, log_every=t.log_every, checkpoint_every=t.checkpoint_every),
+            live_eval=t.live_eval,
             output=TrainOutputSection(run_dir=str(self.run_dir / "train")),
         )
 

@@ -109,7 +109,12 @@ def _stage(report: PipelineReport, name: str, progress: bool):
 def run_pipeline(cfg: PipelineConfig, *, progress: bool = True, resume: bool = False) -> tuple[PipelineReport, object | None]:
     """Run every stage; returns the report and, with ``serve.keep_running``, the live ServeHandle.
 
-    ``resume`` continues an interrupted run in its run dir (module docstring) instead of replacing it."""
+    ``resume`` continues an interrupted run in its run dir (module docstring) instead of replacing it.
+    ``mode: closed_loop`` runs pipeline/closed_loop_job.py (online runs of this one around live replicas)."""
+    if cfg.mode == "closed_loop":
+        from specray.pipeline.closed_loop_job import run_closed_loop
+
+        return run_closed_loop(cfg, progress=progress, resume=resume)
     from specray.trainer.export import export_checkpoint
 
     run_dir = _resumed_run_dir(cfg) if resume else _fresh_run_dir(cfg.run_dir, refuse=_earlier_run(cfg))
