@@ -551,7 +551,7 @@ def run_trainer_gang(
                    endpoint_url=stream["endpoint_url"])
     else:
         check_manifest_fits(spec, read_manifest(spec.manifest, endpoint_url=spec.endpoint_url).contract)
-        job["draft_vocab"] = count_draft_vocab(spec)  # counted once here, not by every rank
+    job["draft_vocab"] = count_draft_vocab(spec)  # counted once here, not by every rank (online: draft_vocab_from)
     filesystem = storage_filesystem(storage_path)
     trainer = TorchTrainer(
         _gang_worker, train_loop_config=job,

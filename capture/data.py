@@ -252,10 +252,10 @@ def record_conversations(shards: list[str], *, endpoint_url: str | None = None) 
         yield Conversation(record["id"], messages)
 
 
-def _load_records(uri: str) -> Iterator[Conversation]:
+def _load_records(uri: str, endpoint_url: str | None) -> Iterator[Conversation]:
     if not uri:
         raise ValueError("records: needs the record store's URI, e.g. records:s3://bucket/traffic (serve.record.uri)")
-    yield from record_conversations(list_record_shards(uri))
+    yield from record_conversations(list_record_shards(uri, endpoint_url=endpoint_url), endpoint_url=endpoint_url)
 
 
 DATASETS: dict[str, DatasetSpec] = {
@@ -266,13 +266,15 @@ DATASETS: dict[str, DatasetSpec] = {
 
 
 def load_conversations(
-    name: str, *, purpose: Literal["train", "eval"] = "train", limit: int | None = None, skip: int = 0
+    name: str, *, purpose: Literal["train", "eval"] = "train", limit: int | None = None, skip: int = 0,
+    endpoint_url: str | None = None,
 ) -> Iterator[Conversation]:
-    """Iterate a dataset by name (after skipping ``skip`` conversations); see the module docstring."""
+    """Iterate a dataset by name (after skipping ``skip`` conversations); see the module docstring.
+    ``endpoint_url``: the S3 endpoint of an s3:// ``records:`` store (else ``$SPECRAY_S3_ENDPOINT``)."""
     if name.startswith("jsonl:"):
         source = _load_jsonl(name.removeprefix("jsonl:"))
     elif name.startswith("records:"):
-        source = _load_records(name.removeprefix("records:"))
+        source = _load_records(name.removeprefix("records:"), endpoint_url)
     elif name in DATASETS:
         spec = DATASETS[name]
         if purpose == "train" and spec.split == "eval":

@@ -15,7 +15,8 @@ the draft vocabulary, and the base of the manifest's ``drafter`` section.
   over the whole target vocabulary (zero probability outside the draft vocabulary).
   ``d2t_offsets`` / ``t2d_mask`` are the same mapping in the peer format's encoding.
 - ``DrafterSectionBase``: the fields every drafter section has (``algorithm``, ``init_from``,
-  ``draft_vocab_size``); each algorithm adds its own fields and ``drafter_config``.
+  ``draft_vocab_size``, ``draft_vocab_from``, ``draft_vocab_samples``); each algorithm adds its
+  own fields and ``drafter_config``.
 - ``DrafterSpec``: what the drafter registry (``specray.drafters.DRAFTERS``) holds per algorithm.
 """
 
@@ -26,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
 SMALL_M = 64  # inference products with at most this many rows take the (W @ xᵀ)ᵀ layout
@@ -281,9 +282,26 @@ class DrafterSectionBase(BaseModel):
     init_from: str | None = Field(None, description="an export directory to start from (fine-tuning, e.g. on "
                                                     "self-distilled data); its architecture must equal this section's")
     draft_vocab_size: int | None = Field(None, gt=0, description="draft over the V_d most frequent supervised tokens "
-                                                                 "of the training manifest (EAGLE-3's d2t; None = the "
-                                                                 "target's whole vocabulary); with init_from, the "
-                                                                 "export's vocabulary if it has one of this size")
+                                                                 "of the training manifest or draft_vocab_from "
+                                                                 "(EAGLE-3's d2t; None = the target's whole "
+                                                                 "vocabulary); with init_from, the export's vocabulary "
+                                                                 "if it has one of this size")
+    draft_vocab_from: str | None = Field(
+        None, description="count the draft vocabulary from this instead of the training manifest (what online "
+                          "training needs): a manifest URI, or a dataset (sharegpt, jsonl:PATH, records:URI) whose "
+                          "answers are rendered with the target's chat template and counted")
+    draft_vocab_samples: int | None = Field(
+        None, gt=0, description="with a dataset draft_vocab_from: count its first N conversations (None = all)")
+
+    @model_validator(mode="after")
+    def _vocab_source_needs_a_size(self):
+        if self.draft_vocab_from is not None and self.draft_vocab_size is None:
+            raise ValueError(f"draft_vocab_from={self.draft_vocab_from} counts a draft vocabulary of draft_vocab_size "
+                             "tokens: set draft_vocab_size (e.g. 8192) or remove draft_vocab_from")
+        if self.draft_vocab_samples is not None and self.draft_vocab_from is None:
+            raise ValueError("draft_vocab_samples limits the conversations of a dataset draft_vocab_from: set "
+                             "draft_vocab_from (e.g. sharegpt) or remove draft_vocab_samples")
+        return self
 
 
 def target_sizes(target: Any) -> dict:

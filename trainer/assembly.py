@@ -9,8 +9,8 @@ with the same ``fresh_drafter``. The algorithm comes from the registries
 derives its model config (``drafter_config``), the strategy builds the model.
 
 Also here: the checks that features fit the drafter (``check_capture_fits``), the draft
-vocabulary counted once from a manifest (``prepare_draft_vocab``) and starting from an export
-(``drafter.init_from``).
+vocabulary counted once from the training manifest or ``drafter.draft_vocab_from``
+(``prepare_draft_vocab``) and starting from an export (``drafter.init_from``).
 """
 
 from __future__ import annotations
@@ -25,13 +25,14 @@ from torch import nn
 
 from specray.capture.contract import CaptureContract, ContractMismatchError, build_contract
 from specray.capture.store import Manifest, open_store, read_manifest
-from specray.capture.target import Target, load_target
+from specray.capture.target import Target, load_target, resolve_target_dir
 from specray.drafters.common import DrafterSectionBase
 from specray.trainer.core import OptimSettings, TrainerCore
 from specray.trainer.loader import FeatureLoader
 from specray.trainer.loop import Trainer, TrainRun
 from specray.trainer.strategies import get_strategy
-from specray.trainer.vocab import DraftVocabulary, draft_vocabulary
+from specray.trainer.vocab import (RENDER_MAX_LENGTH, DraftVocabulary, dataset_vocabulary, draft_vocabulary,
+                                   is_dataset_spec)
 
 
 @dataclass(frozen=True)
@@ -141,30 +142,60 @@ def _init_from_export(model: nn.Module, model_cfg, export_dir: str, target: Targ
         raise ValueError(f"drafter.init_from={export_dir}: weights do not fit (missing {missing}, extra {unexpected})")
 
 
-def prepare_draft_vocab(spec: TrainSpec, manifest: Manifest, store) -> DraftVocabulary | None:
-    """The draft vocabulary of ``drafter.draft_vocab_size`` from the training manifest, counted once
-    and kept in ``<run_dir>/draft_vocab.json`` (None without one, or when ``init_from`` supplies it)."""
-    size = spec.drafter.draft_vocab_size
-    if size is None or _keeps_export_vocab(spec.drafter):
+def _vocab_source(spec: TrainSpec) -> str | None:
+    """What the draft vocabulary is counted from: ``drafter.draft_vocab_from``, else the training
+    manifest (with a dataset's conversation limit, so a changed limit is another source)."""
+    d = spec.drafter
+    if d.draft_vocab_from is None:
+        return spec.manifest
+    if d.draft_vocab_samples is not None:
+        if not is_dataset_spec(d.draft_vocab_from):
+            raise ValueError(f"drafter.draft_vocab_samples limits a dataset's conversations, and "
+                             f"drafter.draft_vocab_from={d.draft_vocab_from} is a manifest: remove draft_vocab_samples")
+        return f"{d.draft_vocab_from}[:{d.draft_vocab_samples}]"
+    return d.draft_vocab_from
+
+
+def _count_vocab(spec: TrainSpec, manifest: Manifest | None, store) -> DraftVocabulary:
+    """Count the vocabulary of ``_vocab_source(spec)``: a dataset rendered with the target's tokenizer
+    (no model loaded), or a manifest's stored supervised tokens (``manifest``/``store`` when given)."""
+    d, source = spec.drafter, _vocab_source(spec)
+    if d.draft_vocab_from is not None and is_dataset_spec(d.draft_vocab_from):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_target_dir(spec.target))
+        return dataset_vocabulary(d.draft_vocab_from, tokenizer, d.draft_vocab_size,
+                                  max_length=spec.max_length or RENDER_MAX_LENGTH, limit=d.draft_vocab_samples,
+                                  endpoint_url=spec.endpoint_url, source=source)
+    if manifest is None or source != spec.manifest:
+        manifest = read_manifest(source, endpoint_url=spec.endpoint_url)
+        store = open_store(manifest.store_uri, endpoint_url=spec.endpoint_url)
+    return draft_vocabulary(manifest, store, d.draft_vocab_size, source=source)
+
+
+def prepare_draft_vocab(spec: TrainSpec, manifest: Manifest | None = None, store=None) -> DraftVocabulary | None:
+    """The draft vocabulary of ``drafter.draft_vocab_size`` from ``drafter.draft_vocab_from`` or the
+    training manifest (``manifest``/``store``: that manifest, already open), counted once and kept in
+    ``<run_dir>/draft_vocab.json`` (None without a size or a source, or when ``init_from`` supplies it)."""
+    size, source = spec.drafter.draft_vocab_size, _vocab_source(spec)
+    if size is None or source is None or _keeps_export_vocab(spec.drafter):
         return None
     run_dir = Path(spec.run_dir)
-    path, source = run_dir / "draft_vocab.json", str(spec.manifest)
+    path = run_dir / "draft_vocab.json"
     if path.exists():
         vocab = DraftVocabulary.load(path)
         if len(vocab.token_ids) == size and vocab.source == source:
             return vocab
-    vocab = draft_vocabulary(manifest, store, size, source=source)
+    vocab = _count_vocab(spec, manifest, store)
     run_dir.mkdir(parents=True, exist_ok=True)
     vocab.save(path)
     return vocab
 
 
 def count_draft_vocab(spec: TrainSpec) -> DraftVocabulary | None:
-    """``prepare_draft_vocab`` for a spec's manifest, in the driver (so ranks do not each count it)."""
-    if spec.drafter.draft_vocab_size is None or spec.manifest is None:
-        return None
-    manifest = read_manifest(spec.manifest, endpoint_url=spec.endpoint_url)
-    return prepare_draft_vocab(spec, manifest, open_store(manifest.store_uri, endpoint_url=spec.endpoint_url))
+    """``prepare_draft_vocab`` in the driver (so ranks do not each count it); online runs too, with
+    ``drafter.draft_vocab_from``."""
+    return prepare_draft_vocab(spec)
 
 
 def expected_contract(algorithm: str, target: Target, features: CaptureContract) -> CaptureContract:
@@ -199,9 +230,10 @@ def build_rank(spec: TrainSpec, contract: CaptureContract, *, rank: int = 0, wor
         _init_from_export(model, model_cfg, spec.drafter.init_from, target, contract)
     if model_cfg.draft_vocab_size is not None and not _keeps_export_vocab(spec.drafter):
         if draft_vocab is None:
-            raise ValueError("drafter.draft_vocab_size is counted from a training manifest (data.manifest) or taken "
-                             "from drafter.init_from; online training has neither: set drafter.draft_vocab_size=null "
-                             "or drafter.init_from=<an export with a draft vocabulary>")
+            raise ValueError("drafter.draft_vocab_size is counted from drafter.draft_vocab_from or a training manifest "
+                             "(data.manifest), or taken from drafter.init_from; online training has no manifest: set "
+                             "drafter.draft_vocab_from=<a manifest, sharegpt, jsonl:PATH or records:URI>, "
+                             "drafter.init_from=<an export with a draft vocabulary> or drafter.draft_vocab_size=null")
         model.set_draft_vocab(torch.tensor(draft_vocab.token_ids))
     core = TrainerCore(model, strategy, model_cfg, spec.optim, rank=rank, world_size=world_size)
     vocab = {} if draft_vocab is None else {"draft_vocab": {
