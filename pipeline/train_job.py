@@ -2,8 +2,9 @@
 
     specray train -c manifests/train-dflash-quickstart.yaml [section.field=value …]
 
-Writes ``<run_dir>/checkpoints/step-*/``, ``metrics.jsonl``, ``curves.png`` (loss and
-per-position accuracy), ``train.json`` (summary) and ``config.yaml``. With
+Writes ``<run_dir>/checkpoints/step-*/``, ``metrics.jsonl``, ``curves.png`` (loss,
+per-position accuracy, and the live acceptance measured at each checkpoint with ``live_eval``:
+``serving/live_eval.py``), ``train.json`` (summary) and ``config.yaml``. With
 ``trainer.world_size > 1`` the same code runs as DDP ranks (torch.distributed, gloo,
 127.0.0.1) spawned on this machine; a rerun resumes from the latest checkpoint.
 """
@@ -23,6 +24,7 @@ import yaml
 from specray.capture.store import open_store, read_manifest
 from specray.capture.target import load_target
 from specray.pipeline.config import TrainJobConfig
+from specray.serving.live_eval import checkpoint_hook
 from specray.trainer.assembly import check_manifest_fits, count_draft_vocab
 from specray.trainer.assembly import build_trainer as build_spec_trainer
 from specray.trainer.loader import FeatureLoader
@@ -32,8 +34,10 @@ from specray.trainer.strategies import get_strategy
 
 
 def build_trainer(cfg: TrainJobConfig, *, rank: int = 0, world_size: int = 1) -> Trainer:
-    """Everything one rank needs (``trainer/assembly.py``); raises clear errors for a manifest of another contract."""
-    return build_spec_trainer(cfg.train_spec(), rank=rank, world_size=world_size)
+    """Everything one rank needs (``trainer/assembly.py``), rank 0 with the live evaluation of
+    ``cfg.live_eval`` as its checkpoint hook; raises clear errors for a manifest of another contract."""
+    spec = cfg.train_spec()
+    return build_spec_trainer(spec, rank=rank, world_size=world_size, checkpoint_hook=checkpoint_hook(spec.live_eval))
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,8 @@ class TrainSummary:
             f"loss        {f['loss']:.4f}",
             f"acc by pos  {acc}",
             f"tau_tf      {f['tau_tf']:.3f} (teacher-forced accepted length)",
+            *([f"tau_live    {f['tau_live']:.3f} (serving engine, {f['live_prompts']} held-out prompts); accept by pos "
+               + " ".join(f"{a:.2f}" for a in f["live_accept_by_pos"])] if f.get("tau_live") is not None else []),
             *([f"coverage    {f['coverage']:.3f} (labels inside the draft vocabulary)"] if f.get("coverage", 1) < 1 else []),
             f"tokens/s    {f['tokens_per_s']:.0f}",
             f"curves      {self.curves}",

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -29,7 +29,7 @@ from specray.capture.target import Target, load_target, resolve_target_dir
 from specray.drafters.common import DrafterSectionBase
 from specray.trainer.core import OptimSettings, TrainerCore
 from specray.trainer.loader import FeatureLoader
-from specray.trainer.loop import Trainer, TrainRun
+from specray.trainer.loop import CheckpointHook, Trainer, TrainRun
 from specray.trainer.strategies import get_strategy
 from specray.trainer.vocab import (RENDER_MAX_LENGTH, DraftVocabulary, dataset_vocabulary, draft_vocabulary,
                                    is_dataset_spec)
@@ -57,6 +57,7 @@ class TrainSpec:
     checkpoint_every: int
     keep_last: int | None  # checkpoints kept (None = all)
     config: dict  # the job's whole config as JSON, recorded in every checkpoint's provenance
+    live_eval: Any = None  # serving/live_eval.py LiveEvalSettings: measured at each checkpoint (None = off)
 
     @property
     def algorithm(self) -> str:
@@ -93,6 +94,7 @@ class RankParts:
     core: TrainerCore
     expected: CaptureContract  # the contract this drafter trains on: the target's, at the captured layers
     extra: dict  # carried by every checkpoint for export: algorithm, drafter config, contract, provenance
+    target: Target  # the frozen target the drafter reads (a checkpoint hook may serve it)
 
 
 def _keeps_export_vocab(drafter: DrafterSectionBase) -> bool:
@@ -245,7 +247,7 @@ def build_rank(spec: TrainSpec, contract: CaptureContract, *, rank: int = 0, wor
         "provenance": {"run": spec.name, "run_dir": spec.run_dir, "target": spec.target, "world_size": world_size,
                        "config": spec.config, **(provenance or {}), **vocab},
     }
-    return RankParts(core, expected, extra)
+    return RankParts(core, expected, extra, target)
 
 
 def feature_loader(spec: TrainSpec, manifest: Manifest, store, expected: CaptureContract, *, rank: int = 0,
@@ -256,9 +258,11 @@ def feature_loader(spec: TrainSpec, manifest: Manifest, store, expected: Capture
                          max_length=spec.max_length)
 
 
-def build_trainer(spec: TrainSpec, *, rank: int = 0, world_size: int = 1) -> Trainer:
+def build_trainer(spec: TrainSpec, *, rank: int = 0, world_size: int = 1,
+                  checkpoint_hook: Callable[[Target], CheckpointHook] | None = None) -> Trainer:
     """``specray train``'s rank: a ``Trainer`` on the spec's manifest; refuses features of another
-    algorithm before anything is built."""
+    algorithm before anything is built. ``checkpoint_hook(target)`` builds rank 0's checkpoint hook
+    (the driver's live evaluation) on the rank's target."""
     if spec.manifest is None:
         raise ValueError("data.manifest is required to train from a manifest; online training reads a "
                          "SampleBroker instead (actors/trainer.py run_trainer_gang)")
@@ -270,5 +274,6 @@ def build_trainer(spec: TrainSpec, *, rank: int = 0, world_size: int = 1) -> Tra
                        draft_vocab=prepare_draft_vocab(spec, manifest, store))
     loader = feature_loader(spec, manifest, store, parts.expected, rank=rank, world_size=world_size)
     run = TrainRun(parts.core, log_every=spec.log_every, extra=parts.extra)
+    hook = checkpoint_hook(parts.target) if checkpoint_hook is not None and rank == 0 else None
     return Trainer(run, loader, run_dir=spec.run_dir, total_steps=spec.optim.total_steps,
-                   checkpoint_every=spec.checkpoint_every, keep_last=spec.keep_last)
+                   checkpoint_every=spec.checkpoint_every, keep_last=spec.keep_last, on_checkpoint=hook)

@@ -15,6 +15,12 @@ seen and the record history, so N steps + resume + N steps equals 2N straight st
 ``Trainer.fit`` runs optimizer steps ``[start, total_steps)`` from a ``FeatureLoader``; rank 0
 appends each record to ``<run_dir>/metrics.jsonl`` and writes a checkpoint every
 ``checkpoint_every`` steps (and at the end) under ``<run_dir>/checkpoints``.
+
+A *checkpoint hook* (``CheckpointHook``) runs on rank 0 before each checkpoint is written and
+adds its fields to that step's record: the drivers inject the live evaluation this way
+(``serving/live_eval.py``: ``tau_live``, ``live_accept_by_pos``, …), so ``trainer/`` never
+imports ``serving/``. The RNGs a step draws from are restored after the hook, so a run trains
+the same steps with or without it.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -30,6 +37,9 @@ from tqdm import tqdm
 from specray.trainer.checkpoint import capture_rng_state, latest_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint
 from specray.trainer.core import StepResult, TrainerCore
 from specray.trainer.loader import FeatureLoader, TrainBatch
+
+CheckpointHook = Callable[["TrainRun"], dict]
+"""``hook(run) -> fields`` added to the metrics record of ``run.step``, on rank 0 before the checkpoint."""
 
 
 class MetricsWindow:
@@ -112,6 +122,22 @@ class TrainRun:
         self._window = MetricsWindow()
         return record
 
+    def checkpoint_record(self, hook: CheckpointHook | None) -> dict | None:
+        """Before a checkpoint: the record of this step (flushed now if the last one is older), with
+        ``hook(self)``'s fields added on rank 0 (the RNG state is restored after the hook). None
+        when no step ran since the last record, or without a hook."""
+        if hook is None:
+            return None
+        self.flush()
+        record = self.records[-1] if self.records and self.records[-1]["step"] == self.step else None
+        if record is not None and self.is_main:
+            rng = capture_rng_state()
+            try:
+                record.update(hook(self))
+            finally:
+                restore_rng_state(rng)
+        return record
+
     def save(self, directory: str | Path, *, loader_state: dict, keep_last: int | None, **extra) -> None:
         """Rank 0 writes the checkpoint of the current step under ``directory`` (other ranks: nothing)."""
         if not self.is_main:
@@ -138,11 +164,11 @@ class TrainRun:
 
 class Trainer:
     """``specray train``'s loop: a ``TrainRun`` fed by a ``FeatureLoader``, logging and
-    checkpointing under ``run_dir``."""
+    checkpointing under ``run_dir``; ``on_checkpoint`` (rank 0) adds fields to each checkpoint's record."""
 
     def __init__(
         self, run: TrainRun, loader: FeatureLoader, *, run_dir: str | Path, total_steps: int,
-        checkpoint_every: int, keep_last: int | None = 2,
+        checkpoint_every: int, keep_last: int | None = 2, on_checkpoint: CheckpointHook | None = None,
     ):
         if total_steps < 1 or checkpoint_every < 1:
             raise ValueError("total_steps and checkpoint_every must be >= 1")
@@ -151,6 +177,8 @@ class Trainer:
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.total_steps, self.checkpoint_every, self.keep_last = total_steps, checkpoint_every, keep_last
+        self.on_checkpoint = on_checkpoint
+        self.tau_live: float | None = None  # the latest checkpoint's, shown on the progress bar
         if self.run.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -196,10 +224,13 @@ class Trainer:
             record = self.run.train_step(batches, data_wait=time.perf_counter() - start)
             if record is None and self.step == self.total_steps:
                 record = self.run.flush()
+            checkpoint = self.step % self.checkpoint_every == 0 or self.step in (self.total_steps, stop)
+            if checkpoint:  # the hook's fields join this step's record before it is logged and saved
+                record = self.run.checkpoint_record(self.on_checkpoint) or record
             if record is not None:
                 records.append(record)
                 self._log(record, bar)
-            if self.step % self.checkpoint_every == 0 or self.step in (self.total_steps, stop):
+            if checkpoint:
                 self.save()
             bar.update(1)
         bar.close()
@@ -209,5 +240,14 @@ class Trainer:
         if self.run.is_main:
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
-            bar.set_postfix(loss=f"{record['loss']:.3f}", acc1=f"{record['acc_by_pos'][0]:.2f}",
-                            tau=f"{record['tau_tf']:.2f}")
+            self.tau_live = record.get("tau_live", self.tau_live)
+            bar.set_postfix(progress_fields(record, self.tau_live))
+
+
+def progress_fields(record: dict, tau_live: float | None) -> dict[str, str]:
+    """A progress bar's postfix: loss, position-1 accuracy, tau_tf, tokens/s and the latest tau_live."""
+    fields = {"loss": f"{record['loss']:.3f}", "acc1": f"{record['acc_by_pos'][0]:.2f}",
+              "tau_tf": f"{record['tau_tf']:.2f}", "tok/s": f"{record['tokens_per_s']:.0f}"}
+    if tau_live is not None:
+        fields["tau_live"] = f"{tau_live:.2f}"
+    return fields
