@@ -114,7 +114,7 @@ def run_closed_loop(cfg: PipelineConfig, *, progress: bool = True, resume: bool 
         replicas = _Replicas(handle, cfg.serve.autoscaling.min_replicas)
         replicas.wait_serving(registry.latest(), cfg.closed_loop.hot_load_timeout_s)
         load = _LoadGenerator(handle, _prompts(cfg), cfg.closed_loop.load).start()
-        loop = _Loop(cfg, serve_cfg.record, registry, state, replicas, load, progress, resume)
+        loop = _Loop(cfg, serve_cfg.record, registry, state, replicas, load, progress)
         loop.run(report)
         load.stop()
         report.versions = _versions(replicas.final(), load)
@@ -220,9 +220,9 @@ class _Loop:
     """The iterations: wait for records, snapshot, train online, publish, hot-load (module docstring)."""
 
     def __init__(self, cfg: PipelineConfig, record, registry, state: _LoopState, replicas: _Replicas,
-                 load: _LoadGenerator, progress: bool, resume: bool):
+                 load: _LoadGenerator, progress: bool):
         self.cfg, self.c, self.record, self.registry, self.state = cfg, cfg.closed_loop, record, registry, state
-        self.replicas, self.load, self.progress, self.resume = replicas, load, progress, resume
+        self.replicas, self.load, self.progress = replicas, load, progress
         self.hot_loads: list[tuple[float, float]] = []  # (publish, every replica serves it), load-generator seconds
         self.counts: dict[str, int] = {}  # shard -> chat records in it (shards are immutable)
 
@@ -257,12 +257,12 @@ class _Loop:
         sub_report, _ = run_pipeline(sub, progress=self.progress, resume=bool(pending) and (run_dir / MARKER).exists())
         published = self.load.now()
         version = self.registry.publish(sub_report.drafter_dir)
+        entry.update(export=sub_report.drafter_dir, version=version)  # done: a resumed loop goes on from it
+        self.state.update(iterations=[*(it for it in self.state.get("iterations") if it["iteration"] != index), entry])
         self.say(f"== iteration {index}: published v{version}; waiting for {self.replicas.count} replicas")
         self.replicas.wait_serving(version, self.c.hot_load_timeout_s)
         loaded = self.load.now()
         self.hot_loads.append((published, loaded))
-        entry.update(export=sub_report.drafter_dir, version=version)
-        self.state.update(iterations=[*(it for it in self.state.get("iterations") if it["iteration"] != index), entry])
         return {"iteration": index, "version": version, "export": sub_report.drafter_dir, "records": entry["records"],
                 "shards": entry["shards"], "init_from": sub.train.drafter.init_from,
                 "audit": sub_report.online["audit"], "train": sub_report.train,

@@ -10,6 +10,7 @@
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,6 +86,49 @@ def test_live_tau_per_version_is_weighted_by_rounds_over_the_replicas():
     assert versions["v1"]["acceptance_by_position"] == [pytest.approx(0.2), 0.0]
     assert versions["v1"]["requests"] == 5
     assert versions["v2"] == {"tau": 2.0, "rounds": 4, "acceptance_by_position": [1.0, 0.0, 0.0], "requests": 3}
+
+
+def _shard(store, replica: str, name: str, ids: list[str]) -> str:
+    """A record shard as a replica writes it: ``<uri>/<replica>/<unix_ms>-<seq>-<token>.jsonl``."""
+    from specray.serving.recorder import chat_record
+
+    fields = dict(created=0, model="debug", drafter_version=1, temperature=0.0, top_p=1.0, max_tokens=8,
+                  finish_reason="stop", prompt_tokens=3, completion_tokens=2)
+    lines = [json.dumps(chat_record([{"role": "user", "content": f"q {i}"}], f"a {i}", id=i, **fields)) for i in ids]
+    path = store / replica / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(line + "\n" for line in lines))
+    return str(path)
+
+
+def test_an_iteration_takes_the_oldest_untaken_shards_and_the_state_keeps_them(tmp_path):
+    """Shards another iteration took (the state file, which --resume reads) are never taken again;
+    the oldest others are taken whole until they hold records_per_iteration records."""
+    from specray.pipeline.closed_loop_job import _Loop, _LoopState
+    from specray.serving.recorder import RecordSettings
+
+    store = tmp_path / "records"
+    old = _shard(store, "r1", "0000000000001-000000-aaaa.jsonl", ["c1", "c2"])
+    a = _shard(store, "r2", "0000000000002-000000-bbbb.jsonl", ["c3"])
+    b = _shard(store, "r1", "0000000000003-000001-aaaa.jsonl", ["c4", "c5"])
+    c = _shard(store, "r2", "0000000000004-000001-bbbb.jsonl", ["c6"])
+    cfg = load_config(PipelineConfig, "manifests/closed-loop.yaml", [*TINY, f"output.run_dir={tmp_path / 'loop'}",
+                                                                      "closed_loop.records_per_iteration=3"])
+    (tmp_path / "loop").mkdir()
+    state = _LoopState(tmp_path / "loop" / "closed-loop.json")
+    state.update(initial={"export": "/v1", "version": 1},
+                 iterations=[{"iteration": 1, "shards": [old], "records": 2, "snapshot": "x", "export": "/v2",
+                              "version": 2}])
+    load = type("Load", (), {"check": lambda self: None, "summary": lambda self: {}})()
+    loop = _Loop(cfg, RecordSettings(uri=str(store)), None, _LoopState(state.path), None, load, False)
+    entry = loop.snapshot(2)
+    assert entry["shards"] == [a, b] and entry["records"] == 3  # not `old` (taken), not `c` (enough without it)
+    rows = [json.loads(line) for line in Path(entry["snapshot"]).read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["c3", "c4", "c5"]
+    assert rows[0]["messages"] == [{"role": "user", "content": "q c3"}, {"role": "assistant", "content": "a c3"}]
+    resumed = _LoopState(state.path)  # what --resume reads: iteration 2 took a and b, its version is pending
+    assert resumed.taken == {old, a, b} and resumed.current_export == "/v2"
+    assert [it.get("version") for it in resumed.get("iterations")] == [2, None]
 
 
 @pytest.mark.ray
