@@ -201,6 +201,7 @@ def list_record_shards(uri: str, *, endpoint_url: str | None = None) -> list[str
     An empty or missing store has no shards."""
     fs, root, protocol = open_fs(uri, endpoint_url=endpoint_url)
     root = root.rstrip("/")
+    fs.invalidate_cache(root)  # s3fs caches listings: a poller must see the shards written since its last look
     if not fs.exists(root):
         return []
     found = []
