@@ -4,6 +4,7 @@
     specray train -c manifests/train-dflash-quickstart.yaml [section.field=value …]
     specray export runs/train-dflash-quickstart [--out DIR] [--format speculators [--target NAME]]
     specray evaluate EXPORT_DIR --manifest runs/<held-out capture>/manifest.parquet [objective.field=value …]
+    specray evaluate EXPORT_DIR --live [--dataset mtbench|humaneval|jsonl:PATH --num-prompts 16 --max-tokens 32]
     specray calibrate EXPORT_DIR --manifest runs/<held-out capture>/manifest.parquet   (DSpark: STS of its confidence)
     specray generate --drafter EXPORT_DIR --prompt "…" [--max-tokens 128] [--temperature 0]
     specray profile --out cost.json [--target NAME] [--force]   (the round-cost table of this machine)
@@ -76,19 +77,38 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     from specray.pipeline.config import apply_overrides
     from specray.pipeline.train_job import evaluate_export
 
+    if args.manifest is None and not args.live:
+        raise ConfigError("evaluate needs --manifest (teacher-forced metrics on held-out features), --live "
+                          "(acceptance on the serving engine, held-out prompts), or both")
     overrides = apply_overrides({}, args.overrides)
     if set(overrides) - {"objective"}:
         raise ConfigError(f"evaluate takes objective.field=value overrides only, got {sorted(overrides)}")
-    result = evaluate_export(args.export, args.manifest, target_name=args.target, endpoint_url=args.endpoint_url,
-                             objective=overrides.get("objective"))
-    acc = " ".join(f"{a:.3f}" for a in result["acc_by_pos"])
-    print(f"samples    {result['samples']}\nloss       {result['loss']:.4f}\n"
-          f"acc by pos {acc}\ntau_tf     {result['tau_tf']:.3f}\ncoverage   {result['coverage']:.3f} "
-          "(labels inside the drafter's vocabulary)")
+    result = {"export": str(args.export)}
+    if args.manifest is not None:
+        result.update(evaluate_export(args.export, args.manifest, target_name=args.target,
+                                      endpoint_url=args.endpoint_url, objective=overrides.get("objective")))
+        acc = " ".join(f"{a:.3f}" for a in result["acc_by_pos"])
+        print(f"samples    {result['samples']}\nloss       {result['loss']:.4f}\n"
+              f"acc by pos {acc}\ntau_tf     {result['tau_tf']:.3f}\ncoverage   {result['coverage']:.3f} "
+              "(labels inside the drafter's vocabulary)")
+    if args.live:
+        result.update(_live_evaluation(args))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def _live_evaluation(args: argparse.Namespace) -> dict:
+    """``evaluate --live``: the export's free-running acceptance on the serving engine (serving/live_eval.py)."""
+    from specray.capture.target import load_target
+    from specray.serving.live_eval import LiveEvalSettings, LiveEvaluator, live_table
+
+    settings = LiveEvalSettings(dataset=args.dataset, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
+                                num_speculative_tokens=args.num_speculative_tokens, batch_size=args.batch_size)
+    live = LiveEvaluator(load_target(args.target), settings).measure_export(args.export)
+    print(live_table(live))
+    return live
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
@@ -341,9 +361,19 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "(default: the one named in its export.json)")
     export.set_defaults(fn=_cmd_export)
 
-    evaluate = sub.add_parser("evaluate", help="teacher-forced per-position accuracy of an export on a manifest")
+    evaluate = sub.add_parser("evaluate", help="teacher-forced per-position accuracy of an export on a manifest "
+                                               "(--manifest) and its live acceptance on the serving engine (--live)")
     evaluate.add_argument("export", help="an exported drafter directory")
-    evaluate.add_argument("--manifest", required=True, help="features to evaluate on (use a held-out capture)")
+    evaluate.add_argument("--manifest", default=None, help="features to evaluate on (use a held-out capture)")
+    evaluate.add_argument("--live", action="store_true",
+                          help="decode held-out prompts greedily on the serving engine, verifying the largest round "
+                               "every round: tau_live and acceptance by position (as `specray bench serve` measures)")
+    evaluate.add_argument("--dataset", default="mtbench", help="--live prompts: mtbench, humaneval or jsonl:PATH")
+    evaluate.add_argument("--num-prompts", type=int, default=16, help="--live: prompts decoded")
+    evaluate.add_argument("--max-tokens", type=int, default=32, help="--live: new tokens per prompt")
+    evaluate.add_argument("--num-speculative-tokens", type=int, default=None,
+                          help="--live: drafts verified every round (default: the worker's largest)")
+    evaluate.add_argument("--batch-size", type=int, default=4, help="--live: prompts decoded at once")
     evaluate.add_argument("--target", default=DEFAULT_TARGET, help="the target the export was trained for")
     evaluate.add_argument("overrides", nargs="*", metavar="objective.field=value",
                           help="the strategy's objective for evaluation (default: its evaluation settings, "
