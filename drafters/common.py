@@ -57,7 +57,7 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     ``mm`` to a slow path, so the copy is contiguous). Training (grad enabled) keeps ``F.linear``.
     """
     flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[0] > SMALL_M or torch.is_grad_enabled() or flat.device.type != "cpu":
+    if not 0 < flat.shape[0] <= SMALL_M or torch.is_grad_enabled() or flat.device.type != "cpu":
         return F.linear(x, weight, bias)
     rows = flat if len(flat) > 1 else flat.expand(2, -1).contiguous()
     out = weight_major_linear(weight, rows, row_major=False)[: len(flat)]

@@ -316,6 +316,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         given = {k: getattr(args, k) for k in LoadBenchOptions.model_fields if getattr(args, k, None) is not None}
         result = bench_load(LoadBenchOptions(**given), args.config, args.overrides)
         table = load_table(result)
+    elif args.benchmark == "fidelity":
+        from specray.capture.target import load_target
+        from specray.pipeline.fidelity import fidelity, fidelity_table
+
+        result = fidelity(load_target(args.target), args.export, dataset=args.dataset, num_prompts=args.num_prompts,
+                          max_tokens=args.max_tokens, num_speculative_tokens=args.num_speculative_tokens,
+                          capture_dtype=args.capture_dtype, heldout=args.heldout, endpoint_url=args.endpoint_url)
+        table = fidelity_table(result)
     elif args.benchmark == "capture":
         cfg = load_config(CaptureJobConfig, args.config, bench.BENCH_CAPTURE_DEFAULTS + args.overrides)
         result = bench.bench_capture(cfg, repeats=args.repeats)
@@ -494,6 +502,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench_train.add_argument("-c", "--config", help="train YAML to start from (default: the built-in defaults: 1 layer, B=8, micro-batch 2, 16 anchors)")
     bench_train.add_argument("overrides", nargs="*", metavar="section.field=value")
     bench_train.set_defaults(fn=_cmd_bench)
+    bench_fid = bench_sub.add_parser("fidelity", help="teacher-forced accuracy against served acceptance, decomposed "
+                                                      "(pipeline/fidelity.py)")
+    bench_fid.add_argument("export", help="an exported drafter directory")
+    bench_fid.add_argument("--json", help="write the result (with every round's anchor and acceptance) here")
+    bench_fid.add_argument("--dataset", default="mtbench", help="prompts: mtbench, humaneval or jsonl:PATH")
+    bench_fid.add_argument("--target", default=DEFAULT_TARGET)
+    bench_fid.add_argument("--num-prompts", type=int, default=16)
+    bench_fid.add_argument("--max-tokens", type=int, default=64)
+    bench_fid.add_argument("--num-speculative-tokens", type=int, default=None,
+                           help="drafts verified every round (default: the worker's largest)")
+    bench_fid.add_argument("--capture-dtype", default="bfloat16", help="the feature dtype training reads")
+    bench_fid.add_argument("--heldout", default=None, help="a held-out manifest of the training distribution")
+    bench_fid.add_argument("--endpoint-url", default=None, help="S3 endpoint when --heldout is on s3://")
+    bench_fid.set_defaults(fn=_cmd_bench, config=None, overrides=[])
     bench_load = bench_sub.add_parser("load", help="streaming OpenAI clients on Serve replicas while a new drafter, "
                                                    "a corrupt one and a replica kill happen (pipeline/load_bench.py)")
     bench_load.add_argument("--json", help="write the result here")

@@ -42,7 +42,7 @@ def test_rope_table_rotates_as_apply_rope():
     torch.testing.assert_close(apply_rope(x, torch.zeros(T), 10000.0), x)  # position 0 is the identity
 
 
-@pytest.mark.parametrize("rows", [1, 3, 65])
+@pytest.mark.parametrize("rows", [0, 1, 3, 65])  # 0: a TTT step of an evaluation block with no rows left
 def test_small_m_linear_is_linear(rows):
     torch.manual_seed(0)
     x, w, b = torch.randn(rows, 16), torch.randn(24, 16), torch.randn(24)
