@@ -26,7 +26,8 @@ def test_an_online_gang_trains_on_the_vocabulary_of_draft_vocab_from(ray_cluster
     expected = dataset_vocabulary(f"jsonl:{chats}", AutoTokenizer.from_pretrained(resolve_target_dir("debug")), SIZE)
     stream = Stream(tmp_path, debug_target)
     try:
-        spec = train_spec(tmp_path, "vocab", f"drafter.draft_vocab_size={SIZE}", f"drafter.draft_vocab_from=jsonl:{chats}")
+        spec = train_spec(tmp_path, "vocab", f"drafter.draft_vocab_size={SIZE}",
+                          f"drafter.draft_vocab_from=jsonl:{chats}")
         result = run_trainer_gang(spec, num_workers=2, storage_path=str(tmp_path / "ray"), broker=stream.broker,
                                   max_failures=0, timeout_s=TIMEOUT_S)
         stream.finish(result)

@@ -189,6 +189,7 @@ def test_shards_on_s3(seaweedfs):
     import s3fs
 
     other_process = s3fs.S3FileSystem(client_kwargs={"endpoint_url": seaweedfs.endpoint}, skip_instance_cache=True)
-    other_process.pipe_file(f"{uri.removeprefix('s3://')}/s/9999999999999-000000-t.jsonl", json.dumps(_chat(3)).encode())
+    shard = f"{uri.removeprefix('s3://')}/s/9999999999999-000000-t.jsonl"
+    other_process.pipe_file(shard, json.dumps(_chat(3)).encode())
     again = list_record_shards(uri, endpoint_url=seaweedfs.endpoint)  # a poller sees new shards, not a cached listing
     assert again[:2] == shards and len(again) == 3 and "/s/" in again[2]
