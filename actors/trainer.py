@@ -66,6 +66,13 @@ no dispatch log (and a different world size resumes at the same global position)
 is deleted (manifests are immutable); the ledger records only attempts and checkpoints.
 This is simpler and as robust as pushing manifest refs through the broker.
 
+**Live acceptance and progress.** With ``spec.live_eval`` rank 0 measures the drafter on the
+serving engine before each checkpoint (``serving/live_eval.py``, the checkpoint hook of
+``trainer/loop.py``) and adds ``tau_live`` and ``live_accept_by_pos`` to that step's record;
+the other ranks wait in the checkpoint's collectives. With ``on_record=`` rank 0 pushes every
+record to a ``ProgressBoard`` actor as it is made, and a driver thread hands it to ``on_record``
+(``actors/progress.py``).
+
 Storage: a local directory or ``s3://`` (endpoint from ``$SPECRAY_S3_ENDPOINT``, like the
 feature store); the ledger defaults to ``<storage>/<name>/ledger``.
 
@@ -76,6 +83,7 @@ crash again).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -99,12 +107,14 @@ from specray.actors.broker import StreamFailedError, Window
 from specray.actors.gang_faults import FaultPlan, MidWindowCrash
 from specray.actors.gang_recovery import (AttemptPlanner, CheckpointMismatchError, FeaturesLostError, Resume,
                                           check_position, checkpoint_name)
+from specray.actors.progress import ProgressFeed
 from specray.capture.contract import CaptureContract
 from specray.capture.store import FeatureChecksumError, FeatureNotFoundError, SampleRef, open_store, read_manifest
 from specray.trainer.assembly import (TrainSpec, build_rank, check_capture_fits, check_manifest_fits,
                                       count_draft_vocab, feature_loader)
 from specray.trainer.ledger import Ledger
 from specray.trainer.loader import TrainBatch, collate
+from specray.serving.live_eval import checkpoint_hook
 from specray.trainer.loop import TrainRun
 
 FIT_GRACE_S = 90.0  # after timeout_s: time for the workers to notice the deadline and the group to stop
@@ -186,6 +196,9 @@ class _GangRank:
         if self.fault is not None and self.fault.point == "mid_window":
             self.core.strategy = MidWindowCrash(self.core.strategy, self.fault, rank, self.accumulation)
         self.run_state = TrainRun(self.core, log_every=train.log_every, extra=parts.extra)
+        hook = checkpoint_hook(train.live_eval)
+        self.on_checkpoint = hook(parts.target) if hook is not None and rank == 0 else None
+        self.progress = spec.get("progress") if rank == 0 else None
         self.loader = None if self.online else feature_loader(train, manifest, self.store, parts.expected,
                                                                rank=rank, world_size=world_size)
         self.ledger = Ledger(spec["ledger_uri"]) if rank == 0 else None
@@ -240,6 +253,11 @@ class _GangRank:
         if kind == "ended":
             raise _GangEnded(*value)
         return value
+
+    def _publish(self, record: dict | None) -> None:
+        """Rank 0: hand a metrics record to the driver's progress feed (no wait)."""
+        if record is not None and self.progress is not None:
+            self.progress.push.remote(record)
 
     def _fault(self, point: str, count: int | None = None) -> None:
         if self.fault is not None and (count is None or count == self.fault.after):
@@ -306,7 +324,7 @@ class _GangRank:
             self._remaining()
             start = time.perf_counter()
             batches = [self.loader.next_batch() for _ in range(self.accumulation)]
-            self.run_state.train_step(batches, data_wait=time.perf_counter() - start)
+            self._publish(self.run_state.train_step(batches, data_wait=time.perf_counter() - start))
             self._fault("after_step_before_checkpoint")
             if self.step % self.train.checkpoint_every == 0:
                 self._checkpoint()
@@ -317,7 +335,7 @@ class _GangRank:
             window, batches = self._agreed(self._next_window)
             if window is None:
                 break  # end of stream: every rank gets None for the same step
-            self.run_state.train_step(batches, data_wait=time.perf_counter() - start)
+            self._publish(self.run_state.train_step(batches, data_wait=time.perf_counter() - start))
             acks = self._gather([sid for b in batches for sid in b.sample_ids])
             if self.rank == 0:
                 self._ack(window, [sid for rank_ids in acks for sid in rank_ids])
@@ -399,6 +417,7 @@ class _GangRank:
 
     def _checkpoint(self) -> None:
         self.run_state.flush()
+        self._publish(self.run_state.checkpoint_record(self.on_checkpoint))  # rank 0: the live fields, if any
         name = checkpoint_name(self.attempt, self.step)
         location = f"{self.spec['run_uri']}/{name}"
         directory = tempfile.mkdtemp(prefix="specray-ckpt-") if self.rank == 0 else None
@@ -513,7 +532,7 @@ def _fit(trainer: TorchTrainer, timeout_s: float | None):
 def run_trainer_gang(
     spec: TrainSpec, *, num_workers: int, storage_path: str, ledger_uri: str | None = None, broker=None,
     resume_from: str | None = None, max_failures: int = 1, fault: FaultPlan | None = None,
-    timeout_s: float | None = None, cpus_per_worker: float = 1.0,
+    timeout_s: float | None = None, cpus_per_worker: float = 1.0, on_record: Callable[[dict], None] | None = None,
 ) -> GangResult:
     """Train ``spec`` with ``num_workers`` DP ranks; online from ``broker``, else offline from ``spec.manifest``.
 
@@ -525,7 +544,8 @@ def run_trainer_gang(
     come back, a checkpoint that is not what its name says) is raised as is, without a restart.
     Each worker reserves ``cpus_per_worker`` logical CPUs, and Ray sizes its torch thread pool
     to match. Features captured for another algorithm than ``spec.drafter``'s are refused before
-    the gang starts.
+    the gang starts. ``on_record`` is called in the driver with each metrics record rank 0 makes
+    (a record comes again with its live fields once its checkpoint measured them).
     """
     if num_workers < 1:
         raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -552,6 +572,21 @@ def run_trainer_gang(
     else:
         check_manifest_fits(spec, read_manifest(spec.manifest, endpoint_url=spec.endpoint_url).contract)
     job["draft_vocab"] = count_draft_vocab(spec)  # counted once here, not by every rank (online: draft_vocab_from)
+    with ProgressFeed(on_record) if on_record is not None else contextlib.nullcontext() as feed:
+        job["progress"] = feed.board if feed is not None else None
+        result = _fit_gang(job, spec, num_workers=num_workers, storage_path=storage_path, max_failures=max_failures,
+                           timeout_s=timeout_s, cpus_per_worker=cpus_per_worker)
+    out = result.return_value
+    if "ended" in out:  # a terminal error every rank agreed on (module docstring)
+        raise {cls.__name__: cls for cls in TERMINAL_ERRORS}[out["ended"]](out["message"])
+    attempts = [a for a in Ledger(ledger_uri).replay().attempts.values() if a["run"] == run_uri]
+    return GangResult(out["step"], out["checkpoint"], out["metrics"], attempts, ledger_uri, run_uri)
+
+
+def _fit_gang(job: dict, spec: TrainSpec, *, num_workers: int, storage_path: str, max_failures: int,
+              timeout_s: float | None, cpus_per_worker: float):
+    """Ray Train's fit of the gang's workers over ``job``; its failures as ``GangFailedError`` / ``TimeoutError``."""
+    run_uri, ledger_uri = job["run_uri"], job["ledger_uri"]
     filesystem = storage_filesystem(storage_path)
     trainer = TorchTrainer(
         _gang_worker, train_loop_config=job,
@@ -562,7 +597,7 @@ def run_trainer_gang(
                              checkpoint_config=CheckpointConfig(num_to_keep=spec.keep_last)),
     )
     try:
-        result = _fit(trainer, timeout_s)
+        return _fit(trainer, timeout_s)
     except ray.train.TrainingFailedError as e:
         if job["deadline"] is not None and time.time() > job["deadline"]:
             raise TimeoutError(f"the trainer gang ran past timeout_s={timeout_s}; resume it by rerunning with the same "
@@ -571,8 +606,3 @@ def run_trainer_gang(
             f"the trainer gang failed (max_failures={max_failures} restarts used): {e}. Its checkpoints in {run_uri} "
             f"and the ledger {ledger_uri} are intact: rerun with the same storage_path and name to resume"
         ) from e
-    out = result.return_value
-    if "ended" in out:  # a terminal error every rank agreed on (module docstring)
-        raise {cls.__name__: cls for cls in TERMINAL_ERRORS}[out["ended"]](out["message"])
-    attempts = [a for a in Ledger(ledger_uri).replay().attempts.values() if a["run"] == run_uri]
-    return GangResult(out["step"], out["checkpoint"], out["metrics"], attempts, ledger_uri, run_uri)

@@ -6,7 +6,10 @@
 Stages (each timed into ``report.json``'s ``stage_seconds``):
 
     capture        offline: CaptureServer actors write features + a Parquet manifest
-    train          offline: the trainer gang (Ray Train) trains on the manifest
+    train          offline: the trainer gang (Ray Train) trains on the manifest; a progress bar
+                   shows rank 0's step, loss, position-1 accuracy, tokens/s and the latest live
+                   tau (``train.live_eval``, measured at each checkpoint), and the gang's records
+                   land in ``<run_dir>/train/metrics.jsonl`` and ``curves.png``
     capture+train  online, one stage: capture actors and the gang run at once; SampleRefs flow
                    through the SampleBroker in whole windows, acks go to the durable ledger,
                    consumed features are deleted after the checkpoint that covers them, the
@@ -260,18 +263,54 @@ def _capture(cfg: PipelineConfig, report: PipelineReport, progress: bool, *, reu
 def _train_offline(cfg: PipelineConfig, manifest: str, report: PipelineReport, progress: bool) -> str:
     from specray.actors.trainer import run_trainer_gang
 
-    result = run_trainer_gang(cfg.train_job(manifest).train_spec(), num_workers=cfg.train.num_workers,
-                              storage_path=cfg.train.storage or str(cfg.run_dir / "ray-train"),
-                              max_failures=cfg.train.max_failures, cpus_per_worker=cfg.train.cpus_per_worker)
+    with _TrainProgress(cfg.train.optim.total_steps, progress) as on_record:
+        result = run_trainer_gang(cfg.train_job(manifest).train_spec(), num_workers=cfg.train.num_workers,
+                                  storage_path=cfg.train.storage or str(cfg.run_dir / "ray-train"),
+                                  max_failures=cfg.train.max_failures, cpus_per_worker=cfg.train.cpus_per_worker,
+                                  on_record=on_record)
     report.train = _train_summary(cfg, result)
     return result.checkpoint
 
 
+class _TrainProgress:
+    """The train stage's bar in the driver, fed with rank 0's metrics records (``actors/progress.py``):
+    step, loss, position-1 accuracy, tau_tf, tokens/s and the latest tau_live."""
+
+    def __init__(self, total_steps: int, progress: bool, *, position: int = 0):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total_steps, unit="step", desc="train", disable=not progress, position=position)
+        self.tau_live: float | None = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.close()
+
+    def __call__(self, record: dict) -> None:
+        from specray.trainer.loop import progress_fields
+
+        self.tau_live = record.get("tau_live", self.tau_live)
+        self.bar.update(record["step"] - self.bar.n)
+        self.bar.set_postfix(progress_fields(record, self.tau_live))
+
+
 def _train_summary(cfg: PipelineConfig, result) -> dict:
+    """The report's train section; the gang's records go to ``<run_dir>/train/metrics.jsonl`` and ``curves.png``."""
+    from specray.trainer.plots import plot_training
+
     final = result.metrics[-1] if result.metrics else {}
+    curves = None
+    if result.metrics:
+        train_dir = cfg.run_dir / "train"
+        train_dir.mkdir(parents=True, exist_ok=True)
+        (train_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in result.metrics))
+        curves = str(plot_training(train_dir / "metrics.jsonl", train_dir / "curves.png").resolve())
     return {"steps": result.step, "workers": cfg.train.num_workers, "checkpoint": result.checkpoint,
             "ledger": result.ledger_uri, "attempts": len(result.attempts), "loss": final.get("loss"),
-            "acc_by_pos": final.get("acc_by_pos"), "tau_tf": final.get("tau_tf")}
+            "acc_by_pos": final.get("acc_by_pos"), "tau_tf": final.get("tau_tf"), "tau_live": final.get("tau_live"),
+            "live_accept_by_pos": final.get("live_accept_by_pos"), "curves": curves}
 
 
 def _bench(cfg: PipelineConfig, report: PipelineReport) -> None:
@@ -334,9 +373,10 @@ def _train_online(cfg: PipelineConfig, report: PipelineReport, progress: bool) -
     try:
         producer.start()
         try:
-            result = run_trainer_gang(train_job.train_spec(), num_workers=t.num_workers, storage_path=storage,
-                                      ledger_uri=ledger_uri, broker=broker,
-                                      max_failures=t.max_failures, cpus_per_worker=t.cpus_per_worker)
+            with _TrainProgress(steps, progress, position=1) as on_record:  # below the capture bar
+                result = run_trainer_gang(train_job.train_spec(), num_workers=t.num_workers, storage_path=storage,
+                                          ledger_uri=ledger_uri, broker=broker, max_failures=t.max_failures,
+                                          cpus_per_worker=t.cpus_per_worker, on_record=on_record)
         except Exception:
             producer.raise_error()  # a failed stream fails the gang: report the cause, not its echo
             raise

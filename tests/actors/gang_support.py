@@ -48,7 +48,7 @@ def train_spec(tmp_path, name: str, *overrides: str) -> TrainSpec:
         f"name={name}", "target.name=debug", "data.manifest=null", f"output.run_dir={tmp_path / 'run'}",
         "optim.total_steps=100", "optim.warmup_steps=2", "optim.micro_batch_size=1", "optim.accumulation_steps=2",
         "trainer.checkpoint_every=2", "trainer.log_every=1", "trainer.keep_last=2", "objective.num_anchors=4",
-        *overrides,
+        "live_eval.enabled=false", *overrides,
     ]).train_spec()
 
 

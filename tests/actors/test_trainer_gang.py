@@ -146,9 +146,18 @@ def test_split_window_deals_whole_and_partial_windows_over_the_slots():
 def test_offline_manifest_run_exports_a_loadable_drafter(ray_cluster, debug_target, tmp_path):
     manifest = offline_manifest(tmp_path, debug_target)
     refs, store_uri, contract = read_manifest(manifest).refs, (tmp_path / "features").as_uri(), contract_of(debug_target)
-    cfg = train_spec(tmp_path, "offline", f"data.manifest={manifest}", "optim.total_steps=4", "optim.accumulation_steps=1")
-    result = run_trainer_gang(cfg, num_workers=2, storage_path=str(tmp_path / "ray"), timeout_s=TIMEOUT_S)
+    cfg = train_spec(tmp_path, "offline", f"data.manifest={manifest}", "optim.total_steps=4", "optim.accumulation_steps=1",
+                     "live_eval.enabled=true", "live_eval.num_prompts=2", "live_eval.max_tokens=6")
+    pushed = []
+    result = run_trainer_gang(cfg, num_workers=2, storage_path=str(tmp_path / "ray"), timeout_s=TIMEOUT_S,
+                              on_record=pushed.append)
     assert result.step == 4 and [r["step"] for r in result.metrics] == [1, 2, 3, 4]
+    # rank 0 measured live acceptance at both checkpoints (steps 2, 4) and the driver received every record
+    assert [r["step"] for r in result.metrics if "tau_live" in r] == [2, 4]
+    assert all(r["tau_live"] >= 1.0 and len(r["live_accept_by_pos"]) == 7 and r["live_prompts"] == 2
+               for r in result.metrics if "tau_live" in r)
+    assert [r["step"] for r in pushed] == [1, 2, 2, 3, 4, 4]  # a checkpoint's record again, with its live fields
+    assert pushed[2] == result.metrics[1] and pushed[-1] == result.metrics[-1]
     assert len(result.attempts) == 1
     assert all(FeatureStore(store_uri).exists(r.key) for r in refs)  # manifests are immutable: nothing deleted
 
