@@ -170,6 +170,7 @@ def _initial(cfg: PipelineConfig, registry, state: _LoopState, progress: bool, r
     """The first drafter, published as the first version; recorded in the state."""
     if cfg.train.drafter.init_from:
         export, how = str(Path(cfg.train.drafter.init_from).resolve()), "train.drafter.init_from"
+        check_starts_from(cfg.train.drafter, export)
     else:
         sub = derived_config(cfg, name=f"{cfg.name}-initial", mode="offline", run_dir=cfg.run_dir / "initial")
         if progress:
@@ -179,6 +180,21 @@ def _initial(cfg: PipelineConfig, registry, state: _LoopState, progress: bool, r
     initial = {"export": export, "version": registry.publish(export), "made_by": how}
     state.update(initial=initial)
     return initial
+
+
+def check_starts_from(section, export: str) -> None:
+    """Refuse, before serving starts, an ``init_from`` export whose architecture differs from a field
+    the drafter section sets (every iteration trains the section's architecture from that export)."""
+    from specray.drafters.format import read_drafter_config
+
+    have = read_drafter_config(export)["architecture"]
+    wrong = {k: (v, have[k]) for k, v in section.model_dump().items()
+             if k in have and k != "draft_vocab_size" and v is not None and v != have[k]}
+    if wrong:
+        fix = " ".join(f"train.drafter.{k}={e}" for k, (_, e) in wrong.items())
+        raise ValueError(f"train.drafter.init_from={export} has another architecture than the drafter section ("
+                         + ", ".join(f"{k}: section {v!r}, export {e!r}" for k, (v, e) in wrong.items())
+                         + f"); every iteration trains the section's architecture from it: set {fix}")
 
 
 def _prompts(cfg: PipelineConfig) -> list[list[dict]]:

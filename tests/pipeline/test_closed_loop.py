@@ -59,6 +59,16 @@ def test_an_iteration_is_an_online_pipeline_from_the_current_drafter(tmp_path):
     assert sub.run_dir == tmp_path / "iterations" / "0002"
 
 
+def test_an_export_of_another_architecture_is_refused_before_serving(debug_target, tmp_path):
+    from specray.pipeline.closed_loop_job import check_starts_from
+
+    section = load_config(PipelineConfig, "manifests/closed-loop.yaml", TINY).train.drafter
+    export = _export(debug_target, section, tmp_path / "export")
+    check_starts_from(section, export)
+    with pytest.raises(ValueError, match=r"block_size: section 8, export 4.*train.drafter.block_size=4"):
+        check_starts_from(section.model_copy(update={"block_size": 8}), export)
+
+
 def test_the_loop_needs_serving_and_a_fixed_number_of_replicas():
     with pytest.raises(ConfigError, match="serve.enabled=true"):
         load_config(PipelineConfig, "manifests/closed-loop.yaml", ["serve.enabled=false"])
