@@ -40,7 +40,8 @@ def plot_training(metrics_path: str | Path, png_path: str | Path) -> Path:
         raise ValueError(f"{metrics_path} has no records to plot")
     live = [r for r in records if r.get("tau_live") is not None]
     steps = [r["step"] for r in records]
-    fig, axes = plt.subplots(1, 4 if live else 2, figsize=(22 if live else 11, 4))
+    fig, axes = plt.subplots(2 if live else 1, 2, figsize=(11, 8 if live else 4))
+    axes = axes.flatten()
     axes[0].plot(steps, [r["loss"] for r in records])
     axes[0].set(xlabel="optimizer step", ylabel="weighted CE", title="loss")
     axes[0].grid(alpha=0.3)

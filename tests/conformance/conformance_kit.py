@@ -168,7 +168,8 @@ class DebugRun:
         return load_config(TrainJobConfig, train_manifest(self.algorithm), [
             "target.name=debug", f"data.manifest={self.manifest}", f"output.run_dir={run_dir}",
             f"optim.total_steps={GOLDEN_STEPS}", "optim.warmup_steps=2", "trainer.log_every=1",
-            f"trainer.checkpoint_every={GOLDEN_STEPS // 2}", "trainer.keep_last=null", *self.overrides, *extra,
+            f"trainer.checkpoint_every={GOLDEN_STEPS // 2}", "trainer.keep_last=null", "live_eval.enabled=false",
+            *self.overrides, *extra,
         ])
 
 

@@ -24,6 +24,7 @@ TINY = [
     "target.name=debug", "data.max_samples=10", "data.max_length=256", "capture.max_batch_size=2",
     "capture.num_cpus_per_actor=0.5", "train.optim.total_steps=4", "train.optim.warmup_steps=1",
     "train.checkpoint_every=2", "bench.num_prompts=2", "bench.max_tokens=8", "serve.smoke_requests=2",
+    "train.live_eval.num_prompts=2", "train.live_eval.max_tokens=8",
 ]
 
 
@@ -43,6 +44,8 @@ def test_ray_job_submit_quickstart_with_tiny_override(ray_cluster, tmp_path):
     assert set(report["stage_seconds"]) == {"capture", "train", "export", "serve", "bench"}
     assert report["tau"] >= 1.0 and report["speedup_vs_ar"] > 0
     assert report["train"]["steps"] == 4
+    assert report["train"]["tau_live"] >= 1.0 and len(report["train"]["live_accept_by_pos"]) == 7  # train.live_eval
+    assert (run_dir / "train" / "metrics.jsonl").exists() and os.path.exists(report["train"]["curves"])
     assert report["serve"]["version"] == 1 and report["serve"]["smoke_requests"] == 2
     assert (run_dir / "exports" / "final" / "model.safetensors").exists()
     architecture = json.loads((run_dir / "exports" / "final" / "config.json").read_text())["architecture"]

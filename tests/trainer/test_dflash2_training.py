@@ -31,7 +31,8 @@ def manifest(tmp_path_factory):
 def _cfg(manifest, run_dir, *overrides):
     return load_config(TrainJobConfig, "manifests/train-dflash2-quickstart.yaml", [
         "target.name=debug", f"data.manifest={manifest}", f"output.run_dir={run_dir}", "optim.total_steps=2",
-        "optim.warmup_steps=1", "objective.num_anchors=4", "drafter.selector_rank=16", *overrides,
+        "optim.warmup_steps=1", "objective.num_anchors=4", "drafter.selector_rank=16", "live_eval.enabled=false",
+        *overrides,
     ])
 
 

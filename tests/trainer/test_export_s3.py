@@ -25,6 +25,7 @@ def test_a_checkpoint_on_s3_exports_like_a_local_one(seaweedfs, tmp_path):
     trainer = build_trainer(load_config(TrainJobConfig, "manifests/train-dflash-quickstart.yaml", [
         "target.name=debug", f"data.manifest={tmp_path / 'cap' / 'manifest.parquet'}", f"output.run_dir={tmp_path / 'run'}",
         "optim.total_steps=2", "optim.warmup_steps=1", "trainer.checkpoint_every=2", "objective.num_anchors=4",
+        "live_eval.enabled=false",
     ]))
     trainer.fit(progress=False)
     trainer.loader.close()

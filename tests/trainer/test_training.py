@@ -35,7 +35,7 @@ def _cfg(manifest, run_dir, *overrides):
     return load_config(TrainJobConfig, "manifests/train-dflash-quickstart.yaml", [
         "target.name=debug", f"data.manifest={manifest}", f"output.run_dir={run_dir}", "optim.total_steps=8",
         "optim.warmup_steps=2", "trainer.checkpoint_every=4", "trainer.log_every=1", "trainer.keep_last=null",
-        "objective.num_anchors=4", *overrides,
+        "objective.num_anchors=4", "live_eval.enabled=false", *overrides,
     ])
 
 
