@@ -360,10 +360,15 @@ def write_manifest(
         "specray.store_uri": store_uri,
         "specray.metadata": json.dumps(metadata or {}, sort_keys=True),
     })
-    if protocol == "file":
-        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    with fs.open(path, "wb") as f:
+    if protocol != "file":  # an S3 object appears whole or not at all
+        with fs.open(path, "wb") as f:
+            pq.write_table(table, f)
+        return uri
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    partial = f"{path}.{os.getpid()}.tmp"  # a reader never sees half a manifest
+    with open(partial, "wb") as f:
         pq.write_table(table, f)
+    os.replace(partial, path)
     return uri
 
 

@@ -77,9 +77,11 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     from specray.pipeline.config import apply_overrides
     from specray.pipeline.train_job import evaluate_export
 
-    if args.manifest is None and not args.live:
-        raise ConfigError("evaluate needs --manifest (teacher-forced metrics on held-out features), --live "
-                          "(acceptance on the serving engine, held-out prompts), or both")
+    if args.manifest is None and not args.live:  # the default: the target's own answers to held-out prompts
+        from specray.pipeline.heldout import heldout_manifest
+
+        args.manifest = heldout_manifest(args.target, args.export)
+        print(f"held-out   {args.manifest} (the target's greedy answers to held-out ShareGPT prompts)")
     overrides = apply_overrides({}, args.overrides)
     if set(overrides) - {"objective"}:
         raise ConfigError(f"evaluate takes objective.field=value overrides only, got {sorted(overrides)}")
@@ -372,7 +374,10 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = sub.add_parser("evaluate", help="teacher-forced per-position accuracy of an export on a manifest "
                                                "(--manifest) and its live acceptance on the serving engine (--live)")
     evaluate.add_argument("export", help="an exported drafter directory")
-    evaluate.add_argument("--manifest", default=None, help="features to evaluate on (use a held-out capture)")
+    evaluate.add_argument("--manifest", default=None,
+                          help="features to evaluate on (default without --live: the target's own greedy answers to "
+                               "held-out ShareGPT prompts under the export's contract, built on first use and cached; "
+                               "pipeline/heldout.py)")
     evaluate.add_argument("--live", action="store_true",
                           help="decode held-out prompts greedily on the serving engine, verifying the largest round "
                                "every round: tau_live and acceptance by position (as `specray bench serve` measures)")
