@@ -310,7 +310,7 @@ class _Loop:
                     return True
             return False
 
-        self._wait(enough, f"{want} new records in {r.uri}", self.c.records_timeout_s)
+        self._wait(enough, f"{want} new records in {r.uri}")
         path = (self.cfg.run_dir / "iterations" / f"{index:04d}.jsonl").resolve()
         path.parent.mkdir(parents=True, exist_ok=True)
         conversations = list(record_conversations(shards, endpoint_url=r.endpoint_url))
@@ -321,8 +321,8 @@ class _Loop:
         self.state.update(iterations=[*self.state.get("iterations"), entry])
         return entry
 
-    def _wait(self, ready, what: str, timeout_s: float | None = None) -> None:
-        timeout_s = timeout_s or self.c.records_timeout_s
+    def _wait(self, ready, what: str) -> None:
+        timeout_s = self.c.records_timeout_s
         deadline = time.monotonic() + timeout_s
         while not ready():
             self.load.check()
