@@ -148,7 +148,7 @@ def write_json(result: dict, path: str | None) -> None:
 
 
 BENCH_TRAIN_DEFAULTS = ["name=bench-train", "optim.total_steps=30", "optim.warmup_steps=5", "trainer.log_every=1",
-                        "trainer.checkpoint_every=1000", "trainer.keep_last=1"]
+                        "trainer.checkpoint_every=1000", "trainer.keep_last=1", "live_eval.enabled=false"]
 
 
 def bench_train(cfg, *, warmup: int = 5) -> dict:
