@@ -38,6 +38,8 @@ def test_teacher_forced_position_1_equals_live_acceptance(debug_target, debug_gr
     at_live = teacher_forced(debug_target, drafter_dir, traces, dtype=torch.float32, at_live=True)
     assert at_live["blocks"] == live["rounds"]
     assert round(at_live["pos1"] * live["rounds"]) == round(live["pos1"] * live["rounds"])
+    if len(at_live["acc_by_pos"]) == depth:  # the same chain length: the accepted prefixes agree too
+        assert at_live["tau_tf"] == pytest.approx(live["tau"], abs=1e-9)
     by_round = position1_by_round(debug_target, drafter_dir, traces)
     assert by_round == [[r >= 1 for r in t.accepted] for t in traces]  # round by round
 
