@@ -37,8 +37,8 @@ def _export(target, section, out) -> str:
 TINY = [
     "target.name=debug", "data.max_length=1024", "capture.max_batch_size=2", "capture.num_cpus_per_actor=0.5",
     "train.drafter.num_layers=1", "train.drafter.block_size=4", "train.drafter.draft_vocab_size=null",
-    "train.optim.warmup_steps=1", "train.live_eval.enabled=false", "train.optim.micro_batch_size=2", "train.checkpoint_every=2",
-    "train.live_eval.num_prompts=2", "train.live_eval.max_tokens=8",
+    "train.optim.warmup_steps=1", "train.optim.micro_batch_size=2", "train.checkpoint_every=2",
+    "train.live_eval.enabled=false",  # the replicas measure each version's live tau on the served traffic
     "online.max_inflight_samples=8", "serve.engine.max_len=1024", "serve.engine.num_threads=1",
     "serve.engine.speculation=static", "serve.replica.num_cpus=0.5", "serve.autoscaling.min_replicas=2",
     "serve.autoscaling.max_replicas=2", "serve.record.flush_interval_s=1", "serve.record.records_per_shard=2",
