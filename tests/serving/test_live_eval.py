@@ -77,5 +77,4 @@ def test_evaluate_live_cli(repeat_drafter, tmp_path, capsys):
     assert result["export"] == str(repeat_drafter) and result["live_prompts"] == 2
     assert result["tau_live"] >= 1.0 and len(result["live_accept_by_pos"]) == 3
     assert "tau_live" in capsys.readouterr().out and "samples" not in result
-    assert main(["evaluate", str(repeat_drafter), "--target", "debug"]) == 2  # neither --manifest nor --live
     assert main(["evaluate", str(repeat_drafter), "--live", "--target", "debug:1"]) == 2  # another target: refused
