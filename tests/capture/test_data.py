@@ -33,6 +33,27 @@ def test_loss_mask_multi_turn_equals_hand_built(debug_target):
     assert sample.loss_mask.tolist() == mask
 
 
+def test_a_cut_last_answer_leaves_its_end_of_turn_unsupervised(debug_target, tmp_path):
+    """An answer stopped at max_tokens did not end the turn: the template's end-of-turn token after
+    it is not the model's, and training must not teach the drafter to predict it there."""
+    tok = debug_target.tokenizer
+    sample = ChatRenderer(tok, max_length=4096).render(Conversation("c", TURNS, cut=True))
+    ids, mask = _expected(tok, [
+        ("<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+         "<|im_start|>assistant\n", False),
+        ("Hello there<|im_end|>", True),  # an earlier answer ended its turn
+        ("\n<|im_start|>user\nMore?<|im_end|>\n<|im_start|>assistant\n", False),
+        ("Sure.", True),
+        ("<|im_end|>\n", False),
+    ])
+    assert sample.input_ids.tolist() == ids and sample.loss_mask.tolist() == mask
+    path = tmp_path / "answers.jsonl"  # specray regenerate's lines carry the finish reason
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    path.write_text("".join(json.dumps({"id": i, "messages": chat, **extra}) + "\n" for i, extra in
+                            enumerate([{"finish_reason": "length"}, {"finish_reason": "stop"}, {}])))
+    assert [c.cut for c in load_conversations(f"jsonl:{path}")] == [True, False, False]
+
+
 @pytest.mark.slow
 def test_loss_mask_multi_turn_smollm2(smollm2):
     tok = smollm2.tokenizer
