@@ -441,7 +441,7 @@ class _LoadGenerator:
     def _client(self, i: int) -> None:
         import openai
 
-        from specray.pipeline.load_bench import _Attempt, _stream
+        from specray.pipeline.load_bench import StreamAttempt, stream_chat
 
         client = openai.OpenAI(base_url=self.handle.base_url, api_key=self.handle.api_key or "unused",
                                timeout=self.options.request_timeout_s, max_retries=0)
@@ -451,8 +451,8 @@ class _LoadGenerator:
                     return
                 with self._lock:
                     p = next(self._next) % len(self.prompts)
-                attempt = _Attempt(client=i, request=n, retry=0, prompt=p, start_s=self.now())
-                _stream(client, self.handle.model, self.prompts[p], self.options.max_tokens, attempt, self.t0)
+                attempt = StreamAttempt(client=i, request=n, retry=0, prompt=p, start_s=self.now())
+                stream_chat(client, self.handle.model, self.prompts[p], self.options.max_tokens, attempt, self.t0)
                 with self._lock:
                     self.attempts.append(attempt)
                 self._stop.wait(self.options.pause_s)

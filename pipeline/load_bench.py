@@ -240,7 +240,7 @@ class _Monitor:
 
 
 @dataclass
-class _Attempt:
+class StreamAttempt:
     """One HTTP request of one client; times in seconds from the start of the run."""
 
     client: int
@@ -264,8 +264,8 @@ class _Attempt:
         return self.error is not None and (not self.error.startswith("HTTP 4") or self.error == "HTTP 429")
 
 
-def _stream(client: openai.OpenAI, model: str, messages: list[dict], max_tokens: int, attempt: _Attempt,
-            t0: float) -> None:
+def stream_chat(client: openai.OpenAI, model: str, messages: list[dict], max_tokens: int, attempt: StreamAttempt,
+                t0: float) -> None:
     """One streaming greedy chat completion, recorded into ``attempt``."""
     start, first, last, parts = time.monotonic(), None, None, []
     try:
@@ -301,7 +301,7 @@ def _stream(client: openai.OpenAI, model: str, messages: list[dict], max_tokens:
 
 
 def _client_loop(i: int, options: LoadBenchOptions, handle, prompts: list[list[dict]], t0: float, deadline: float,
-                 stop: threading.Event, attempts: list[_Attempt]) -> None:
+                 stop: threading.Event, attempts: list[StreamAttempt]) -> None:
     """Client ``i``: prompts i, i + clients, … in turn until the deadline; failed attempts retried."""
     client = openai.OpenAI(base_url=handle.base_url, api_key=handle.api_key or "unused",
                            timeout=options.request_timeout_s, max_retries=0)
@@ -310,8 +310,8 @@ def _client_loop(i: int, options: LoadBenchOptions, handle, prompts: list[list[d
             return
         p = (i + n * options.clients) % len(prompts)
         for retry in range(options.retries + 1):
-            attempt = _Attempt(client=i, request=n, retry=retry, prompt=p, start_s=time.monotonic() - t0)
-            _stream(client, handle.model, prompts[p], options.max_tokens, attempt, t0)
+            attempt = StreamAttempt(client=i, request=n, retry=retry, prompt=p, start_s=time.monotonic() - t0)
+            stream_chat(client, handle.model, prompts[p], options.max_tokens, attempt, t0)
             attempts.append(attempt)
             if not attempt.retryable or stop.wait(options.retry_backoff_s):
                 break
@@ -327,7 +327,7 @@ class _Run:
                  monitor: _Monitor):
         self.options, self.handle, self.prompts, self.registry = options, handle, prompts, registry
         self.tmp, self.monitor = tmp, monitor
-        self.attempts: list[_Attempt] = []
+        self.attempts: list[StreamAttempt] = []
         self.events: list[dict] = []  # faults as they happened: at_s, what, version / replica
         self.killed_replica: str | None = None
         self.t0 = self.seconds = 0.0
@@ -401,7 +401,7 @@ def _failures(run: _Run) -> dict:
     kill = next((e["at_s"] for e in run.events if e["what"] == "kill"), None)
     window = run.options.kill_window_s
 
-    def from_kill(a: _Attempt) -> bool:
+    def from_kill(a: StreamAttempt) -> bool:
         return kill is not None and a.end_s >= kill and a.start_s <= kill + window
 
     failed = [a for a in run.attempts if a.error]
@@ -425,7 +425,7 @@ def _failures(run: _Run) -> dict:
     }, last
 
 
-def _greedy(served: list[_Attempt], references: list[_Reference]) -> dict:
+def _greedy(served: list[StreamAttempt], references: list[_Reference]) -> dict:
     mismatches = [a for a in served
                   if (a.text, a.tokens) != (references[a.prompt].text, references[a.prompt].tokens)]
     return {"compared": len(served), "mismatches": len(mismatches),

@@ -12,7 +12,7 @@ from specray.drafters.dflash import DFlashDrafter, debug_config
 from specray.drafters.format import InvalidDrafterError, save_drafter
 from specray.pipeline.load_bench import (
     LoadBenchOptions,
-    _Attempt,
+    StreamAttempt,
     _corrupt_copy,
     _failures,
     _greedy,
@@ -55,10 +55,10 @@ def test_the_corrupt_copy_is_refused_at_load(debug_target, tmp_path):
 
 def test_failures_are_attributed_to_the_kill_by_time_and_greedy_answers_compared():
     run = SimpleNamespace(events=[{"what": "kill", "at_s": 10.0}], options=SimpleNamespace(kill_window_s=2.0), attempts=[
-        _Attempt(0, 0, 0, prompt=0, start_s=8.0, end_s=10.5, error="connection failed: RemoteProtocolError"),
-        _Attempt(0, 0, 1, prompt=0, start_s=11.5, end_s=12.0, text="ab", tokens=2),  # its retry
-        _Attempt(1, 0, 0, prompt=1, start_s=12.5, end_s=13.0, error="HTTP 500", server_error=True),  # after the window
-        _Attempt(1, 1, 0, prompt=1, start_s=13.0, end_s=14.0, text="xy", tokens=2),
+        StreamAttempt(0, 0, 0, prompt=0, start_s=8.0, end_s=10.5, error="connection failed: RemoteProtocolError"),
+        StreamAttempt(0, 0, 1, prompt=0, start_s=11.5, end_s=12.0, text="ab", tokens=2),  # its retry
+        StreamAttempt(1, 0, 0, prompt=1, start_s=12.5, end_s=13.0, error="HTTP 500", server_error=True),  # after the window
+        StreamAttempt(1, 1, 0, prompt=1, start_s=13.0, end_s=14.0, text="xy", tokens=2),
     ])
     failures, last = _failures(run)
     assert (failures["attempts_failed_from_kill"], failures["attempts_failed_not_from_kill"]) == (1, 1)
