@@ -30,7 +30,9 @@ would train on the same data:
 
 ``run`` writes to ``--out``: ``answers.jsonl`` (+ ``.gz``), one ``<variant>.safetensors`` per
 variant (bf16 weights plus the draft vocabulary, with the drafter config and a digest of the
-target's weights in the header) and ``summary.json`` (held-out per-position accuracy, timings).
+target's weights in the header) and ``summary.json`` (held-out per-position accuracy, each
+variant's live acceptance on the serving engine — ``live``, measured on a CPU copy of the target
+through the export path, ``--live-prompts`` MT-Bench prompts — and timings).
 The weights travel as bf16 (half the bytes of an export) and ``export`` turns a variant file into
 a normal export (``trainer/export.py``, the export path of ``specray export``), on any machine with the same target: it refuses a file
 whose target digest differs from the local target's, since its drafter read another model's
@@ -45,6 +47,7 @@ import hashlib
 import json
 import random
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -318,13 +321,21 @@ def run(args: argparse.Namespace, log=print) -> dict:
         acc = summary.get("acc_by_pos", [])
         log(f"{v.name}: held-out acc by position {[round(a, 3) for a in acc]}, tau_tf {summary.get('tau_tf', 0):.3f}")
 
+    if args.live_prompts:
+        live = live_acceptance(out, variants, args)
+        for name, result in live.items():
+            results[name]["live"] = result
+            log(f"{name}: live tau {result['tau_live']:.3f}, acceptance by position "
+                f"{[round(a, 3) for a in result['live_accept_by_pos']]} ({result['live_seconds']:.0f} s)")
+    t_live = time.perf_counter()
+
     report = {
         "target": args.target, "target_digest": digest, "device": args.device,
         "answers": len(conversations), "train_samples": len(train), "heldout_samples": len(held),
         "tokens": sum(feats.lengths), "supervised_tokens": int(counts.sum()), "steps": step,
         "batch_size": args.batch_size, "variants": results, "history": history,
         "seconds": {"load": t_load - t0, "generate": t_gen - t_load, "features": t_feat - t_gen,
-                    "train": t_end - t_train, "total": time.perf_counter() - t0},
+                    "train": t_end - t_train, "live": t_live - t_end, "total": time.perf_counter() - t0},
     }
     (out / "summary.json").write_text(json.dumps(report, indent=2) + "\n")
     with open(out / "answers.jsonl", "rb") as src, gzip.open(out / "answers.jsonl.gz", "wb") as dst:
@@ -398,6 +409,19 @@ def save_variant(path: Path, run: TrainRun, variant: Variant, cfg, *, digest: st
                                      "train_samples": str(train_samples)})
 
 
+def live_acceptance(out: Path, variants: list[Variant], args: argparse.Namespace) -> dict[str, dict]:
+    """Each variant's live acceptance on the serving engine (``serving/live_eval.py``), as every
+    training run reports it: its variant file exported for a CPU copy of the target (the serving
+    runner is a CPU runner) and decoded greedily on ``--live-prompts`` MT-Bench prompts."""
+    from specray.serving.live_eval import LiveEvalSettings, LiveEvaluator
+
+    settings = LiveEvalSettings(num_prompts=args.live_prompts, max_tokens=args.live_max_tokens)
+    evaluator = LiveEvaluator(load_target(args.target), settings)
+    with tempfile.TemporaryDirectory(prefix="specray-onegpu-live-") as tmp:
+        return {v.name: evaluator.measure_export(export(out / f"{v.name}.safetensors", Path(tmp) / v.name,
+                                                        target_name=args.target)) for v in variants}
+
+
 def export(variant_file: str | Path, out_dir: str | Path, *, target_name: str = DEFAULT_TARGET) -> Path:
     """Turn a ``run`` variant file into an export for the local target (refused for another target)."""
     with safe_open(str(variant_file), "pt") as f:
@@ -443,6 +467,10 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--reserve-seconds", type=float, default=60.0)
     r.add_argument("--log-every", type=int, default=100)
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--live-prompts", type=int, default=16,
+                   help="MT-Bench prompts each variant decodes on the serving engine (CPU) for its live acceptance "
+                        "(0 = none)")
+    r.add_argument("--live-max-tokens", type=int, default=32, help="new tokens per live prompt")
     e = sub.add_parser("export", help="turn a run's variant file into an export for the local target")
     e.add_argument("variant_file")
     e.add_argument("--out", required=True)

@@ -27,7 +27,8 @@ def run_args(tmp_path, device="cpu", **overrides):
             "--variants", json.dumps([{"name": "l1", "draft_vocab_size": 64, "objective": {"num_anchors": 8}},
                                       {"name": "l2", "num_layers": 2, "layer_ids": [2, 5], "draft_vocab_size": None}]),
             "--gen-batch-size", "4", "--max-new-tokens", "12", "--train-seconds", "3", "--warmup-steps", "3",
-            "--batch-size", "2", "--heldout-percent", "50", "--log-every", "5"]
+            "--batch-size", "2", "--heldout-percent", "50", "--log-every", "5", "--live-prompts", "2",
+            "--live-max-tokens", "6"]
     for key, value in overrides.items():
         argv += [f"--{key.replace('_', '-')}", str(value)]
     return argv
@@ -82,6 +83,10 @@ def test_variants_train_side_by_side_and_export(finished, debug_target, tmp_path
         acc = result["heldout"]["acc_by_pos"]
         assert len(acc) == 7 and all(0 <= a <= 1 for a in acc)
     assert 0 < summary["variants"]["l1"]["coverage"] <= 1 and summary["variants"]["l2"]["coverage"] is None
+    for result in summary["variants"].values():  # live acceptance on the serving engine, as every training run reports
+        live = result["live"]
+        assert live["live_prompts"] == 2 and live["live_rounds"] >= 1 and len(live["live_accept_by_pos"]) == 7
+        assert 1.0 <= live["tau_live"] <= 8.0
     first, last = summary["history"][0], summary["history"][-1]
     assert last["l1"] < first["l1"] + 0.5  # training ran (the loss is logged at every log_every steps)
 
