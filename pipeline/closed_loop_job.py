@@ -315,7 +315,9 @@ class _Loop:
         path.parent.mkdir(parents=True, exist_ok=True)
         conversations = list(record_conversations(shards, endpoint_url=r.endpoint_url))
         tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(json.dumps({"id": c.id, "messages": c.as_chat()}) + "\n" for c in conversations))
+        lines = (json.dumps({"id": c.id, "messages": c.as_chat(), "finish_reason": "length" if c.cut else "stop"})
+                 for c in conversations)  # a cut answer's end of turn stays unsupervised (Conversation.cut)
+        tmp.write_text("".join(line + "\n" for line in lines))
         os.replace(tmp, path)
         entry = {"iteration": index, "shards": shards, "records": len(conversations), "snapshot": str(path)}
         self.state.update(iterations=[*self.state.get("iterations"), entry])

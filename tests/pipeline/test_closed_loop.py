@@ -99,13 +99,15 @@ def test_live_tau_per_version_is_weighted_by_rounds_over_the_replicas():
     assert versions["v2"] == {"tau": 2.0, "rounds": 4, "acceptance_by_position": [1.0, 0.0, 0.0], "requests": 3}
 
 
-def _shard(store, replica: str, name: str, ids: list[str]) -> str:
-    """A record shard as a replica writes it: ``<uri>/<replica>/<unix_ms>-<seq>-<token>.jsonl``."""
+def _shard(store, replica: str, name: str, ids: list[str], cut: tuple[str, ...] = ()) -> str:
+    """A record shard as a replica writes it: ``<uri>/<replica>/<unix_ms>-<seq>-<token>.jsonl``
+    (the answers of ``cut`` stopped at max_tokens)."""
     from specray.serving.recorder import chat_record
 
     fields = dict(created=0, model="debug", drafter_version=1, temperature=0.0, top_p=1.0, max_tokens=8,
-                  finish_reason="stop", prompt_tokens=3, completion_tokens=2)
-    lines = [json.dumps(chat_record([{"role": "user", "content": f"q {i}"}], f"a {i}", id=i, **fields)) for i in ids]
+                  prompt_tokens=3, completion_tokens=2)
+    lines = [json.dumps(chat_record([{"role": "user", "content": f"q {i}"}], f"a {i}", id=i, **fields,
+                                    finish_reason="length" if i in cut else "stop")) for i in ids]
     path = store / replica / name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(line + "\n" for line in lines))
@@ -121,7 +123,7 @@ def test_an_iteration_takes_the_oldest_untaken_shards_and_the_state_keeps_them(t
     store = tmp_path / "records"
     old = _shard(store, "r1", "0000000000001-000000-aaaa.jsonl", ["c1", "c2"])
     a = _shard(store, "r2", "0000000000002-000000-bbbb.jsonl", ["c3"])
-    b = _shard(store, "r1", "0000000000003-000001-aaaa.jsonl", ["c4", "c5"])
+    b = _shard(store, "r1", "0000000000003-000001-aaaa.jsonl", ["c4", "c5"], cut=("c5",))
     c = _shard(store, "r2", "0000000000004-000001-bbbb.jsonl", ["c6"])
     cfg = load_config(PipelineConfig, "manifests/closed-loop.yaml", [*TINY, f"output.run_dir={tmp_path / 'loop'}",
                                                                       "closed_loop.records_per_iteration=3"])
@@ -137,6 +139,9 @@ def test_an_iteration_takes_the_oldest_untaken_shards_and_the_state_keeps_them(t
     rows = [json.loads(line) for line in Path(entry["snapshot"]).read_text().splitlines()]
     assert [r["id"] for r in rows] == ["c3", "c4", "c5"]
     assert rows[0]["messages"] == [{"role": "user", "content": "q c3"}, {"role": "assistant", "content": "a c3"}]
+    from specray.capture.data import load_conversations  # an answer cut at max_tokens stays cut in the snapshot
+
+    assert [c.cut for c in load_conversations(f"jsonl:{entry['snapshot']}")] == [False, False, True]
     resumed = _LoopState(state.path)  # what --resume reads: iteration 2 took a and b, its version is pending
     assert resumed.taken == {old, a, b} and resumed.current_export == "/v2"
     assert [it.get("version") for it in resumed.get("iterations")] == [2, None]
