@@ -46,7 +46,7 @@ import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Literal
+from typing import Callable, Iterable, Iterator, Literal
 
 import torch
 
@@ -173,19 +173,26 @@ def _load_humaneval() -> Iterator[Conversation]:
             yield Conversation(f"humaneval-{task['task_id'].replace('/', '-')}", (("user", prompt),))
 
 
+def _json_lines(lines: Iterable[str], place: Callable[[int], str]) -> Iterator[tuple[int, str, str, object]]:
+    """(line number, where, line, parsed JSON) for every non-blank line; ``place(lineno)`` names a
+    line in errors."""
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = place(lineno)
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+        yield lineno, where, line, record
+
+
 def _load_jsonl(path: str) -> Iterator[Conversation]:
     file = Path(path).expanduser()
     if not file.is_file():
         raise ValueError(f"dataset jsonl:{path}: no such file")
     with open(file) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{file}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+        for lineno, where, line, record in _json_lines(f, lambda n: f"{file}:{n}"):
             turns = record.get("messages", record.get("conversations")) if isinstance(record, dict) else None
             if not isinstance(turns, list):
                 raise ValueError(f'{where}: expected {{"messages": [{{"role": ..., "content": ...}}, ...]}}')
@@ -222,14 +229,8 @@ def _numbered_records(shards: list[str], endpoint_url: str | None) -> Iterator[t
     record with a known ``endpoint`` is an error naming its shard and line."""
     for shard in shards:
         fs, path, _ = open_fs(shard, endpoint_url=endpoint_url)
-        for lineno, line in enumerate(fs.cat_file(path).decode("utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            where = f"record shard {shard}, line {lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+        lines = fs.cat_file(path).decode("utf-8").splitlines()
+        for _, where, _, record in _json_lines(lines, lambda n: f"record shard {shard}, line {n}"):
             if not isinstance(record, dict) or record.get("endpoint") not in RECORD_ENDPOINTS:
                 raise ValueError(f"{where}: not a served-traffic record (needs 'endpoint' in "
                                  f"{list(RECORD_ENDPOINTS)}; written by serving/recorder.py)")
