@@ -34,6 +34,8 @@ from specray.capture.server import decoder_layer_outputs
 from specray.capture.target import Target
 from specray.drafters.format import load_drafter, read_drafter_config
 from specray.serving.engine import Engine
+from specray.serving.live_eval import KV_SLACK
+from specray.serving.requests import encode_prompt
 from specray.serving.sampling import SamplingParams
 from specray.trainer.evaluate import evaluate_batches
 from specray.trainer.loader import TrainBatch
@@ -109,72 +111,81 @@ def live_summary(traces: list[Trace], depth: int) -> dict:
     return {"rounds": len(rounds), "acc_by_pos": accept, "pos1": accept[0] if accept else 0.0, "tau": tau}
 
 
-def _features(target: Target, ids: torch.Tensor, layer_ids: list[int], last_hidden: bool, dtype: torch.dtype):
-    """Capture-path features of one sequence [T]: hidden [1, T, L*D] and last [1, T, D] | None, rounded to ``dtype``."""
+def _features(target: Target, ids: torch.Tensor, layer_ids: list[int], last_hidden: bool):
+    """Capture-path features of one sequence [T] in the target's dtype: hidden [1, T, L*D], last [1, T, D] | None."""
     with torch.inference_mode():
         out = decoder_layer_outputs(target.model, ids[None], torch.ones_like(ids[None], dtype=torch.bool),
                                     layer_ids, last_hidden=last_hidden)
-    hidden = torch.cat([out[i] for i in layer_ids], dim=-1).to(dtype).float()
-    last = out["norm"].to(dtype).float() if last_hidden else None
-    return hidden, last
+    return torch.cat([out[i] for i in layer_ids], dim=-1), out["norm"] if last_hidden else None
 
 
-def _batches(target: Target, traces: list[Trace], layer_ids: list[int], last_hidden: bool, dtype: torch.dtype,
-             at_live: bool) -> list[TrainBatch]:
-    batches = []
-    for i, t in enumerate(traces):
-        ids = torch.tensor(t.prompt_ids + t.output_ids, dtype=torch.long)  # [T]
-        loss_mask = torch.zeros(len(ids), dtype=torch.bool)
-        loss_mask[len(t.prompt_ids):] = True  # the answer: what training supervises
-        anchor_mask = None
-        if at_live:
-            anchor_mask = torch.zeros(len(ids), dtype=torch.bool)
-            anchor_mask[t.anchors] = True
-        hidden, last = _features(target, ids, layer_ids, last_hidden, dtype)
-        batches.append(TrainBatch(ids[None], loss_mask[None], torch.ones_like(loss_mask[None]), hidden, last,
-                                  [f"trace-{i}"], len(ids), None if anchor_mask is None else anchor_mask[None]))
-    return batches
+class TeacherForcing:
+    """A drafter's strategy on the traces' served ids: the drafter loaded and each trace's target
+    features computed once, then rounded to whichever feature dtype a measurement asks for."""
 
+    def __init__(self, target: Target, drafter_dir: str, traces: list[Trace]):
+        config = read_drafter_config(drafter_dir)
+        self.model = load_drafter(drafter_dir, embed_tokens=target.model.model.embed_tokens,
+                                  lm_head=target.model.lm_head, target_fingerprint=target.target_fingerprint,
+                                  template_fingerprint=target.template_fingerprint)
+        strategy_cls = get_strategy(config["algorithm"])
+        objective = dict(strategy_cls.evaluation)
+        if "num_anchors" in strategy_cls.objective.model_fields:  # every allowed anchor, none sampled away
+            objective["num_anchors"] = max(len(t.prompt_ids) + len(t.output_ids) for t in traces)
+        self.strategy = strategy_cls(strategy_cls.objective.model_validate(objective))
+        layer_ids = list(config["architecture"]["target_layer_ids"])
+        last_hidden = get_contract_spec(config["algorithm"]).needs_last_hidden
+        self.traces = traces
+        self._ids = [torch.tensor(t.prompt_ids + t.output_ids, dtype=torch.long) for t in traces]  # [T] each
+        self._features = [_features(target, ids, layer_ids, last_hidden) for ids in self._ids]
 
-def _evaluator(target: Target, drafter_dir: str, traces: list[Trace]):
-    """(model, strategy, layer ids, whether the contract stores last_hidden_states) for teacher forcing."""
-    config = read_drafter_config(drafter_dir)
-    model = load_drafter(drafter_dir, embed_tokens=target.model.model.embed_tokens, lm_head=target.model.lm_head,
-                         target_fingerprint=target.target_fingerprint,
-                         template_fingerprint=target.template_fingerprint)
-    strategy_cls = get_strategy(config["algorithm"])
-    objective = dict(strategy_cls.evaluation)
-    if "num_anchors" in strategy_cls.objective.model_fields:  # every allowed anchor, none sampled away
-        objective["num_anchors"] = max(len(t.prompt_ids) + len(t.output_ids) for t in traces)
-    strategy = strategy_cls(strategy_cls.objective.model_validate(objective))
-    layer_ids = list(config["architecture"]["target_layer_ids"])
-    return model, strategy, layer_ids, get_contract_spec(config["algorithm"]).needs_last_hidden
+    def batches(self, dtype: torch.dtype, at_live: bool) -> list[TrainBatch]:
+        """One batch per trace: the answer supervised, features rounded to ``dtype``, blocks at the live
+        anchors only (``at_live``) or at every answer position."""
+        batches = []
+        for i, (t, ids, (hidden, last)) in enumerate(zip(self.traces, self._ids, self._features)):
+            loss_mask = torch.zeros(len(ids), dtype=torch.bool)
+            loss_mask[len(t.prompt_ids):] = True  # the answer: what training supervises
+            anchor_mask = None
+            if at_live:
+                anchor_mask = torch.zeros(1, len(ids), dtype=torch.bool)
+                anchor_mask[0, t.anchors] = True
+            batches.append(TrainBatch(
+                ids[None], loss_mask[None], torch.ones_like(loss_mask[None]), hidden.to(dtype).float(),
+                None if last is None else last.to(dtype).float(), [f"trace-{i}"], len(ids), anchor_mask))
+        return batches
+
+    def metrics(self, dtype: torch.dtype, at_live: bool) -> dict:
+        """The strategy's teacher-forced metrics: at the live anchors or at every answer position."""
+        result = evaluate_batches(self.model, self.model.config, self.strategy, self.batches(dtype, at_live))
+        return {**result, "pos1": result["acc_by_pos"][0]}
+
+    def position1_by_round(self, dtype: torch.dtype = torch.float32) -> list[list[bool]]:
+        """Position-1 correctness at each live round's anchor, one block at a time (per trace, per
+        round: compare with ``accepted >= 1``)."""
+        correct = []
+        for trace, batch in zip(self.traces, self.batches(dtype, at_live=True)):
+            outcomes = []
+            for anchor in trace.anchors:
+                only = torch.zeros_like(batch.anchor_mask)
+                only[0, anchor] = True
+                result = evaluate_batches(self.model, self.model.config, self.strategy,
+                                          [replace(batch, anchor_mask=only)])
+                outcomes.append(result["acc_by_pos"][0] == 1.0)
+            correct.append(outcomes)
+        return correct
 
 
 def teacher_forced(target: Target, drafter_dir: str, traces: list[Trace], *, dtype: torch.dtype,
                    at_live: bool) -> dict:
-    """The strategy's teacher-forced metrics on the traces' ids: at the live anchors or at every answer position."""
-    model, strategy, layer_ids, last_hidden = _evaluator(target, drafter_dir, traces)
-    batches = _batches(target, traces, layer_ids, last_hidden, dtype, at_live)
-    result = evaluate_batches(model, model.config, strategy, batches)
-    return {**result, "pos1": result["acc_by_pos"][0]}
+    """``TeacherForcing(...).metrics`` for one measurement."""
+    return TeacherForcing(target, drafter_dir, traces).metrics(dtype, at_live)
 
 
 def position1_by_round(target: Target, drafter_dir: str, traces: list[Trace], *,
                        dtype: torch.dtype = torch.float32) -> list[list[bool]]:
-    """Teacher-forced position-1 correctness at each live round's anchor, one block at a time
-    (per trace, per round: compare with ``accepted >= 1``)."""
-    model, strategy, layer_ids, last_hidden = _evaluator(target, drafter_dir, traces)
-    correct = []
-    for trace, batch in zip(traces, _batches(target, traces, layer_ids, last_hidden, dtype, at_live=True)):
-        outcomes = []
-        for anchor in trace.anchors:
-            only = torch.zeros_like(batch.anchor_mask)
-            only[0, anchor] = True
-            result = evaluate_batches(model, model.config, strategy, [replace(batch, anchor_mask=only)])
-            outcomes.append(result["acc_by_pos"][0] == 1.0)
-        correct.append(outcomes)
-    return correct
+    """``TeacherForcing(...).position1_by_round`` for one measurement."""
+    return TeacherForcing(target, drafter_dir, traces).position1_by_round(dtype)
 
 
 def template_equal(target: Target, traces: list[Trace], prompts: list[Conversation]) -> int:
@@ -194,17 +205,18 @@ def fidelity(target: Target, drafter_dir: str, *, dataset: str = "mtbench", num_
              heldout: str | None = None, endpoint_url: str | None = None) -> dict:
     """The decomposition table's rows (module doc) for one export."""
     conversations = list(load_conversations(dataset, purpose="eval", limit=num_prompts))
-    engine = Engine(target, drafter_dir, max_batch=1, max_len=4096, speculation="static",
-                    num_speculative_tokens=num_speculative_tokens, max_waiting=None)
-    prompts = [engine.encode(c.as_chat()) for c in conversations]  # what the OpenAI chat endpoint serves
+    prompts = [encode_prompt(target.tokenizer, c.as_chat()) for c in conversations]  # what the chat endpoint serves
+    engine = Engine(target, drafter_dir, max_batch=1, max_len=max(map(len, prompts)) + max_tokens + KV_SLACK,
+                    speculation="static", num_speculative_tokens=num_speculative_tokens, max_waiting=None)
     traces = trace_live(engine, prompts, max_tokens=max_tokens)
     depth = max((n for t in traces for n in t.num_drafts), default=0)
     dtype = STORAGE_DTYPES[capture_dtype]
+    forced = TeacherForcing(target, drafter_dir, traces)
     rows = {
         "live": live_summary(traces, depth),
-        "tf_live_fp32": teacher_forced(target, drafter_dir, traces, dtype=torch.float32, at_live=True),
-        f"tf_live_{capture_dtype}": teacher_forced(target, drafter_dir, traces, dtype=dtype, at_live=True),
-        f"tf_all_{capture_dtype}": teacher_forced(target, drafter_dir, traces, dtype=dtype, at_live=False),
+        "tf_live_fp32": forced.metrics(torch.float32, at_live=True),
+        f"tf_live_{capture_dtype}": forced.metrics(dtype, at_live=True),
+        f"tf_all_{capture_dtype}": forced.metrics(dtype, at_live=False),
     }
     if heldout is not None:
         from specray.pipeline.train_job import evaluate_export
