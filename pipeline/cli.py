@@ -326,6 +326,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                           max_tokens=args.max_tokens, num_speculative_tokens=args.num_speculative_tokens,
                           capture_dtype=args.capture_dtype, heldout=args.heldout, endpoint_url=args.endpoint_url)
         table = fidelity_table(result)
+    elif args.benchmark == "step":
+        from specray.capture.target import load_target
+        from specray.pipeline.step_bench import bench_step, step_table
+
+        result = bench_step(load_target(args.target, dtype=args.dtype), batch_sizes=tuple(args.batch_sizes),
+                            rows=args.rows, context_tokens=args.context_tokens, repeats=args.repeats)
+        table = step_table(result)
     elif args.benchmark == "capture":
         cfg = load_config(CaptureJobConfig, args.config, bench.BENCH_CAPTURE_DEFAULTS + args.overrides)
         result = bench.bench_capture(cfg, repeats=args.repeats)
@@ -521,6 +528,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench_fid.add_argument("--heldout", default=None, help="a held-out manifest of the training distribution")
     bench_fid.add_argument("--endpoint-url", default=None, help="S3 endpoint when --heldout is on s3://")
     bench_fid.set_defaults(fn=_cmd_bench, config=None, overrides=[])
+    bench_step = bench_sub.add_parser("step", help="where one target forward's time goes, by batch size: op kinds "
+                                                   "and the product chain per kernel (pipeline/step_bench.py)")
+    bench_step.add_argument("--json", help="write the result here")
+    bench_step.add_argument("--target", default=DEFAULT_TARGET)
+    bench_step.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    bench_step.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    bench_step.add_argument("--rows", type=int, default=1, help="new rows per request (1: a decode step; 1 + k: a verify)")
+    bench_step.add_argument("--context-tokens", type=int, default=256, help="committed tokens per request")
+    bench_step.add_argument("--repeats", type=int, default=7, help="forwards per timing (median) and per profile")
+    bench_step.set_defaults(fn=_cmd_bench, config=None, overrides=[])
     bench_load = bench_sub.add_parser("load", help="streaming OpenAI clients on Serve replicas while a new drafter, "
                                                    "a corrupt one and a replica kill happen (pipeline/load_bench.py)")
     bench_load.add_argument("--json", help="write the result here")
