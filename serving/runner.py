@@ -25,7 +25,11 @@ builders, generation config checks). This runner is built for that regime (numbe
   and mask folded into ``baddbmm``;
 - everything that depends only on the forward's shape (positions, RoPE rows, the attention
   bias, the KV write views or index, the cache read views) is computed once per forward, not
-  per layer.
+  per layer;
+- the fused and prepacked weights are made once per model and shared by every runner on it
+  (``_prepared``): engines on one target in one process (``bench serve``'s systems, live
+  evaluation at each checkpoint, the cost-table profile) hold one copy, not one each (about
+  1 GB per runner for the embedded target in fp32), and read the same memory.
 
 ``forward(input_ids [B, T], slots [B], num_new [B])`` runs ``T`` new rows per request at
 positions ``committed[slot] + t`` (``num_new[b] <= T`` real rows, the rest padding), writes their
@@ -37,6 +41,8 @@ equal to transformers up to float rounding (``tests/serving/test_runner.py``).
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +81,33 @@ def pad_rows(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, lengths
 
 
+_PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (versions, lm_head, layers)
+_PREPARED_LOCK = threading.Lock()
+
+
+def _prepared(model) -> tuple[FrozenLinear, list[dict]]:
+    """The model's serving weights, made on first use and shared while the model lives: the LM
+    head, and per layer the norms and the products (``[q; k; v]`` and ``[gate; up]`` fused).
+    Made again if a parameter was changed in place since (its version counter moved)."""
+    versions = tuple(p._version for p in model.parameters())
+    with _PREPARED_LOCK:
+        if model not in _PREPARED or _PREPARED[model][0] != versions:
+            layers = []
+            for layer in model.model.layers:
+                a, m = layer.self_attn, layer.mlp
+                layers.append({
+                    "in_norm": layer.input_layernorm.weight,
+                    "qkv": FrozenLinear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),  # [(H+2Hkv)hd, D]
+                    "o": FrozenLinear(a.o_proj.weight),
+                    "post_norm": layer.post_attention_layernorm.weight,
+                    "gate_up": FrozenLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight])),  # [2I, D]
+                    "down": FrozenLinear(m.down_proj.weight),
+                })
+            # [V, D] (tied on SmolLM2: the embedding's tensor)
+            _PREPARED[model] = (versions, FrozenLinear(model.lm_head.weight), layers)
+        return _PREPARED[model][1:]
+
+
 @dataclass
 class _Plan:
     """Per-forward constants shared by every layer.
@@ -110,19 +143,8 @@ class LlamaRunner:
             raise ValueError(f"capture_layer_ids {self.capture_layer_ids} outside 0..{cfg.num_hidden_layers - 1}")
         dtype = model.lm_head.weight.dtype
         self.embed = model.model.embed_tokens.weight  # [V, D]
-        self.lm_head = FrozenLinear(model.lm_head.weight)  # [V, D] (tied on SmolLM2: the embedding's tensor)
         self.final_norm = model.model.norm.weight
-        self.layers = []
-        for layer in model.model.layers:
-            a, m = layer.self_attn, layer.mlp
-            self.layers.append({
-                "in_norm": layer.input_layernorm.weight,
-                "qkv": FrozenLinear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),  # [(H+2Hkv)hd, D]
-                "o": FrozenLinear(a.o_proj.weight),
-                "post_norm": layer.post_attention_layernorm.weight,
-                "gate_up": FrozenLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight])),  # [2I, D]
-                "down": FrozenLinear(m.down_proj.weight),
-            })
+        self.lm_head, self.layers = _prepared(model)
         theta = float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
         self.cos, self.sin = rope_table(max_len, self.head_dim, theta, dtype)  # [max_len, hd] each, sines sign-folded
         self.cache = SlotKVCache(num_layers=len(self.layers), num_slots=num_slots, max_len=max_len,

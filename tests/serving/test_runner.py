@@ -169,3 +169,24 @@ def test_packed_prefill_equals_the_padded_forward(debug_target):
             torch.testing.assert_close(got[:, slot, :, : start + n], want[:, slot, :, : start + n], atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="exceeds the engine's max_len 128"):
         runners[0].prefill([[1] * 126], torch.tensor([1]))
+
+
+def test_runners_on_one_model_share_its_prepared_weights():
+    from specray.capture.target import load_target
+
+    target = load_target("debug:3")  # its own model object: this test changes a weight in place
+    a = LlamaRunner(target.model, num_slots=1, max_len=32)
+    b = LlamaRunner(target.model, num_slots=2, max_len=64, capture_layer_ids=(1,))
+    assert a.layers is b.layers and a.lm_head is b.lm_head  # one fused, prepacked copy for both
+    assert a.cache is not b.cache
+    ids = torch.tensor([[5, 6, 7]])
+    before = a.forward(ids, torch.tensor([0]), torch.tensor([3])).logits
+    with torch.no_grad():
+        target.model.model.layers[0].mlp.down_proj.weight.mul_(2.0)  # an in-place change: prepared again
+    c = LlamaRunner(target.model, num_slots=1, max_len=32)
+    assert c.layers is not a.layers
+    after = c.forward(ids, torch.tensor([0]), torch.tensor([3])).logits
+    with torch.inference_mode():
+        reference = target.model(input_ids=ids).logits
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after, reference, atol=1e-4, rtol=1e-4)
