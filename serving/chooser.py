@@ -13,7 +13,11 @@ the best of several noisy estimates favours the one that was measured luckiest):
 - ``overhead(B, s)``: everything else a round costs (drafting, acceptance, commits, the
   drafter's context), learned online from each round's measured wall time minus the table's
   forward: the median per batch size and round size of its last ``OVERHEAD_WINDOW`` rounds (a
-  median, so a batch size's first slow forwards do not linger), shrunk toward the pooled mean of
+  median, so a batch size's first slow forwards do not linger; when its last ``SHIFT_RUN`` rounds
+  all differ from what the rounds before them predict by more than ``SHIFT_FACTOR``× the same
+  way — the machine's load changed while that size was not running — the older rounds are
+  dropped, so an estimate made during a burst of load is replaced after two explorations, not
+  after a window's worth; one outlier changes nothing), shrunk toward the pooled mean of
   the same batch size's other round sizes (plain steps
   pool apart: they draft nothing), which is also what a size not yet run gets (with no round at
   that batch size: the nearest batch size's, scaled by the batch ratio; with none at all: 0).
@@ -65,6 +69,8 @@ from specray.serving.cost_table import CostTable
 
 DECAY = 0.995  # per request-round recorded: acceptance estimates follow about the last 200 of them
 OVERHEAD_WINDOW = 20  # rounds a (batch, size) overhead is the median of
+SHIFT_RUN = 2  # consecutive rounds that must agree on a changed cost before the older ones are dropped
+SHIFT_FACTOR = 1.5  # ... each measured this much above or below what the older rounds predict
 POOL_WEIGHT = 4.0  # pseudo-rounds pulling a (batch, size) overhead toward its batch size's pooled mean
 MARGIN = 0.02  # a speculative size must predict this much more than a plain step
 PRIOR_ACCEPT = 0.5  # position 1's conditional acceptance before any round (optimistic enough to try)
@@ -244,6 +250,7 @@ class RoundChooser:
             residual = seconds - deferred_seconds - self.table.seconds(batch, self.rows(batch, size))
             window = self._residuals.setdefault((batch, size), deque(maxlen=OVERHEAD_WINDOW))
             window.append(residual)
+            _drop_before_a_shift(window, self.table.seconds(batch, self.rows(batch, size)))
             self.overhead[batch, size] = (len(window), statistics.median(window))
         if size:
             for n, r in zip(num_drafts, accepted):
@@ -296,3 +303,18 @@ class RoundChooser:
     def summary(self) -> dict:
         """``report`` per group size (the engine's ``stats()["chooser"]``)."""
         return {str(b): self.report(batch=b) for b in sorted({b for b, _ in dict(self.outcomes)})}
+
+
+def _drop_before_a_shift(window: deque, forward: float) -> None:
+    """Keep only the last ``SHIFT_RUN`` residuals of ``window`` when each of those rounds took more
+    than ``SHIFT_FACTOR``× (or less than 1/``SHIFT_FACTOR``×) what the older ones predict
+    (``forward`` + their median): the cost of this (batch, size) moved, e.g. a burst of load began
+    or ended while other sizes ran."""
+    if len(window) <= SHIFT_RUN:
+        return
+    residuals = list(window)
+    predicted = forward + statistics.median(residuals[:-SHIFT_RUN])
+    recent = [forward + r for r in residuals[-SHIFT_RUN:]]
+    if predicted > 0 and (min(recent) > SHIFT_FACTOR * predicted or max(recent) * SHIFT_FACTOR < predicted):
+        for _ in range(len(residuals) - SHIFT_RUN):
+            window.popleft()
