@@ -14,10 +14,11 @@ the best of several noisy estimates favours the one that was measured luckiest):
   drafter's context), learned online from each round's measured wall time minus the table's
   forward: the median per batch size and round size of its last ``OVERHEAD_WINDOW`` rounds (a
   median, so a batch size's first slow forwards do not linger; when its last ``SHIFT_RUN`` rounds
-  all differ from what the rounds before them predict by more than ``SHIFT_FACTOR``× the same
-  way — the machine's load changed while that size was not running — the older rounds are
-  dropped, so an estimate made during a burst of load is replaced after two explorations, not
-  after a window's worth; one outlier changes nothing), shrunk toward the pooled mean of
+  were each run after other decisions (explorations, not a stretch of that size) and all differ
+  from what the rounds before them predict by more than ``SHIFT_FACTOR``× the same way — the
+  machine's load changed while that size was not running — the older rounds are dropped, so an
+  estimate made during a burst of load is replaced after two explorations, not after a window's
+  worth; a blip inside a stretch of rounds only joins the median), shrunk toward the pooled mean of
   the same batch size's other round sizes (plain steps
   pool apart: they draft nothing), which is also what a size not yet run gets (with no round at
   that batch size: the nearest batch size's, scaled by the batch ratio; with none at all: 0).
@@ -69,7 +70,7 @@ from specray.serving.cost_table import CostTable
 
 DECAY = 0.995  # per request-round recorded: acceptance estimates follow about the last 200 of them
 OVERHEAD_WINDOW = 20  # rounds a (batch, size) overhead is the median of
-SHIFT_RUN = 2  # consecutive rounds that must agree on a changed cost before the older ones are dropped
+SHIFT_RUN = 2  # separate rounds of a size that must agree on a changed cost before its older ones are dropped
 SHIFT_FACTOR = 1.5  # ... each measured this much above or below what the older rounds predict
 POOL_WEIGHT = 4.0  # pseudo-rounds pulling a (batch, size) overhead toward its batch size's pooled mean
 MARGIN = 0.02  # a speculative size must predict this much more than a plain step
@@ -175,7 +176,9 @@ class RoundChooser:
         self.depth = self.depth or (self.sizes[-1] if self.sizes else 0)
         self.chain = ChainAcceptance(self.depth)
         self.budgets = BudgetAcceptance(self.depth) if self.layout == "tree" else None
-        self._residuals: dict[tuple[int, int], deque] = {}  # the last OVERHEAD_WINDOW residuals per (batch, size)
+        # per (batch, size): its last OVERHEAD_WINDOW (decision number, residual seconds)
+        self._residuals: dict[tuple[int, int], deque] = {}
+        self._recorded = 0  # rounds recorded, every size
         self._runs = {False: 0, True: 0}  # decisions per kind (plain, speculative), for exploration
 
     def expected_accepted(self, size: int) -> float:
@@ -249,9 +252,10 @@ class RoundChooser:
             outcome.predicted_seconds += seconds_predicted
             residual = seconds - deferred_seconds - self.table.seconds(batch, self.rows(batch, size))
             window = self._residuals.setdefault((batch, size), deque(maxlen=OVERHEAD_WINDOW))
-            window.append(residual)
+            window.append((self._recorded, residual))
             _drop_before_a_shift(window, self.table.seconds(batch, self.rows(batch, size)))
-            self.overhead[batch, size] = (len(window), statistics.median(window))
+            self.overhead[batch, size] = (len(window), statistics.median(r for _, r in window))
+        self._recorded += 1
         if size:
             for n, r in zip(num_drafts, accepted):
                 if self.budgets is None:
@@ -306,15 +310,19 @@ class RoundChooser:
 
 
 def _drop_before_a_shift(window: deque, forward: float) -> None:
-    """Keep only the last ``SHIFT_RUN`` residuals of ``window`` when each of those rounds took more
-    than ``SHIFT_FACTOR``× (or less than 1/``SHIFT_FACTOR``×) what the older ones predict
-    (``forward`` + their median): the cost of this (batch, size) moved, e.g. a burst of load began
-    or ended while other sizes ran."""
+    """Keep only the last ``SHIFT_RUN`` entries of ``window`` ((decision number, residual), oldest
+    first) when each of those rounds ran apart from the one before it (other decisions between
+    them) and took more than ``SHIFT_FACTOR``× (or less than 1/``SHIFT_FACTOR``×) what the older
+    ones predict (``forward`` + their median residual): the cost of this (batch, size) moved while
+    other sizes ran, e.g. a burst of load began or ended."""
     if len(window) <= SHIFT_RUN:
         return
-    residuals = list(window)
-    predicted = forward + statistics.median(residuals[:-SHIFT_RUN])
-    recent = [forward + r for r in residuals[-SHIFT_RUN:]]
-    if predicted > 0 and (min(recent) > SHIFT_FACTOR * predicted or max(recent) * SHIFT_FACTOR < predicted):
-        for _ in range(len(residuals) - SHIFT_RUN):
+    entries = list(window)
+    recent = entries[-SHIFT_RUN:]
+    if any(later - earlier < 2 for (earlier, _), (later, _) in zip(entries[-SHIFT_RUN - 1:], recent)):
+        return  # a stretch of this size: its median follows on its own
+    predicted = forward + statistics.median(r for _, r in entries[:-SHIFT_RUN])
+    seconds = [forward + r for _, r in recent]
+    if predicted > 0 and (min(seconds) > SHIFT_FACTOR * predicted or max(seconds) * SHIFT_FACTOR < predicted):
+        for _ in range(len(entries) - SHIFT_RUN):
             window.popleft()
