@@ -176,9 +176,9 @@ class RoundChooser:
         self.depth = self.depth or (self.sizes[-1] if self.sizes else 0)
         self.chain = ChainAcceptance(self.depth)
         self.budgets = BudgetAcceptance(self.depth) if self.layout == "tree" else None
-        # per (batch, size): its last OVERHEAD_WINDOW (decision number, residual seconds)
+        # per (batch, size): its last OVERHEAD_WINDOW (round number at that batch size, residual seconds)
         self._residuals: dict[tuple[int, int], deque] = {}
-        self._recorded = 0  # rounds recorded, every size
+        self._recorded: dict[int, int] = {}  # rounds recorded per batch size, every round size
         self._runs = {False: 0, True: 0}  # decisions per kind (plain, speculative), for exploration
 
     def expected_accepted(self, size: int) -> float:
@@ -252,10 +252,10 @@ class RoundChooser:
             outcome.predicted_seconds += seconds_predicted
             residual = seconds - deferred_seconds - self.table.seconds(batch, self.rows(batch, size))
             window = self._residuals.setdefault((batch, size), deque(maxlen=OVERHEAD_WINDOW))
-            window.append((self._recorded, residual))
+            window.append((self._recorded.get(batch, 0), residual))
             _drop_before_a_shift(window, self.table.seconds(batch, self.rows(batch, size)))
             self.overhead[batch, size] = (len(window), statistics.median(r for _, r in window))
-        self._recorded += 1
+        self._recorded[batch] = self._recorded.get(batch, 0) + 1
         if size:
             for n, r in zip(num_drafts, accepted):
                 if self.budgets is None:
@@ -310,9 +310,9 @@ class RoundChooser:
 
 
 def _drop_before_a_shift(window: deque, forward: float) -> None:
-    """Keep only the last ``SHIFT_RUN`` entries of ``window`` ((decision number, residual), oldest
-    first) when each of those rounds ran apart from the one before it (other decisions between
-    them) and took more than ``SHIFT_FACTOR``× (or less than 1/``SHIFT_FACTOR``×) what the older
+    """Keep only the last ``SHIFT_RUN`` entries of ``window`` ((round number at its batch size,
+    residual), oldest first) when each of those rounds ran apart from the one before it (rounds of
+    other sizes at that batch size between them) and took more than ``SHIFT_FACTOR``× (or less than 1/``SHIFT_FACTOR``×) what the older
     ones predict (``forward`` + their median residual): the cost of this (batch, size) moved while
     other sizes ran, e.g. a burst of load began or ended."""
     if len(window) <= SHIFT_RUN:

@@ -274,3 +274,17 @@ def test_slow_rounds_within_a_stretch_are_not_a_shift():
     for _ in range(2):
         chooser.record(1, 0, 3 * t.seconds(1, 1), [0], [0], 1)
     assert chooser.overhead[1, 0][0] == 20 and chooser.choose(1) == 0
+
+
+def test_a_stretch_is_counted_per_batch_size():
+    """Plain steps whose group alternates between 3 and 4 requests (requests finishing and
+    admitted) are one stretch at each batch size: two slow ones at batch 4 join its median."""
+    t = table(lambda b, r: 0.02 * b * (1 + 0.3 * (r - 1)))
+    chooser = RoundChooser(t, (1, 2, 3), explore_every=32)
+    for i in range(40):
+        b = 3 + i % 2
+        chooser.record(b, 0, t.seconds(b, 1), [0] * b, [0] * b, b)
+    for _ in range(2):
+        chooser.record(3, 0, t.seconds(3, 1), [0] * 3, [0] * 3, 3)
+        chooser.record(4, 0, 3 * t.seconds(4, 1), [0] * 4, [0] * 4, 4)
+    assert chooser.overhead[4, 0][0] == 20 and chooser.overhead[4, 0][1] == pytest.approx(0.0, abs=1e-12)
