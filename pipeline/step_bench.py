@@ -70,8 +70,8 @@ def _median_ms(fn: Callable[[], object], repeats: int) -> float:
 
 
 def _kinds(fn: Callable[[], object], repeats: int) -> tuple[dict[str, float], float]:
-    """(ms per call by kind, including ``python``; the profiled wall ms per call) over ``repeats`` calls."""
-    fn()
+    """(ms per call by kind, including ``python``; the profiled wall ms per call) over ``repeats`` calls
+    of ``fn`` (already warmed up by the caller's timing)."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         for _ in range(repeats):
@@ -83,11 +83,6 @@ def _kinds(fn: Callable[[], object], repeats: int) -> tuple[dict[str, float], fl
             kinds[kind_of(event.name)] += event.cpu_time_total / 1000 / repeats
     kinds[PYTHON] = max(0.0, wall - sum(kinds.values()))
     return kinds, wall
-
-
-def _product_chain(runner: LlamaRunner) -> list:
-    """Every ``FrozenLinear`` one forward runs, in order: each layer's qkv, o, gate_up, down, then the LM head."""
-    return [layer[name] for layer in runner.layers for name in ("qkv", "o", "gate_up", "down")] + [runner.lm_head]
 
 
 def _vllm_handles(chain: list) -> list | None:
@@ -129,7 +124,7 @@ def bench_step(target: Target, *, batch_sizes: tuple[int, ...] = (1, 4, 16), row
     context = torch.randint(0, target.vocab_size, (len(slots), context_tokens), generator=generator)
     runner.forward(context, slots, torch.full((len(slots),), context_tokens))
     runner.cache.committed[slots] = context_tokens  # the forwards below write scratch rows after the context
-    chain = _product_chain(runner)
+    chain = runner.products()
     vllm_handles = _vllm_handles(chain)
     results = []
     for b in batch_sizes:

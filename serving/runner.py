@@ -103,8 +103,8 @@ def _prepared(model) -> tuple[FrozenLinear, list[dict]]:
                     "gate_up": FrozenLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight])),  # [2I, D]
                     "down": FrozenLinear(m.down_proj.weight),
                 })
-            # [V, D] (tied on SmolLM2: the embedding's tensor)
-            _PREPARED[model] = (versions, FrozenLinear(model.lm_head.weight), layers)
+            lm_head = FrozenLinear(model.lm_head.weight)  # [V, D] (tied on SmolLM2: the embedding's tensor)
+            _PREPARED[model] = (versions, lm_head, layers)
         return _PREPARED[model][1:]
 
 
@@ -149,6 +149,10 @@ class LlamaRunner:
         self.cos, self.sin = rope_table(max_len, self.head_dim, theta, dtype)  # [max_len, hd] each, sines sign-folded
         self.cache = SlotKVCache(num_layers=len(self.layers), num_slots=num_slots, max_len=max_len,
                                  num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=dtype)
+
+    def products(self) -> list[FrozenLinear]:
+        """Every product one forward runs, in order: each layer's qkv, o, gate_up and down, then the LM head."""
+        return [layer[name] for layer in self.layers for name in ("qkv", "o", "gate_up", "down")] + [self.lm_head]
 
     def _plan(self, slots: torch.Tensor, num_new: torch.Tensor, T: int, tree: TreeLayout | None) -> _Plan:
         B, Hkv, hd = len(slots), self.num_kv_heads, self.head_dim
