@@ -3,8 +3,9 @@ the draft vocabulary, and the base of the manifest's ``drafter`` section.
 
 - ``small_m_linear`` / ``Linear``: at inference with a handful of rows on CPU, ``x @ Wᵀ`` takes
   ``(W @ xᵀ)ᵀ`` (``weight_major_linear``); training keeps ``F.linear``.
-- ``FrozenLinear``: the serving runner's product for a frozen target weight (``F.linear`` for
-  one or two fp32 rows, oneDNN on a prepacked copy for more rows and in bf16).
+- ``FrozenLinear``: the serving runner's product for a frozen target weight (oneDNN on a
+  prepacked copy; ``F.linear`` for one or two fp32 rows where ``pick_small_rows`` measured it
+  faster on this machine).
 - ``RMSNorm``, ``apply_rope`` (Llama's rotate-half layout, angles computed per position) and
   ``rope_table`` / ``apply_rope_table`` (the same rotation from a precomputed, sign-folded table,
   the serving runner's form).
@@ -71,13 +72,16 @@ class FrozenLinear:
 
     The serving runner's product (``serving/runner.py``), by row count on CPU:
 
-    - M > ``small_rows`` (3 or more in fp32, every M in bf16): oneDNN's matmul on a copy of the
-      weight prepacked once in its blocked layout (the kernel vLLM-CPU runs its linears with).
-      Per-thread CPU time of the embedded target's whole product chain, 2 threads
-      (docs/benchmarks.md): fp32 36 ms at 4 rows against 54 ms for ``weight_major_linear``;
-      bf16 15 ms at 1-2 rows against 26-33 ms for ``F.linear``;
-    - M <= ``small_rows`` in fp32: ``F.linear`` on the weight as stored (26 ms at 1-2 rows,
-      against 32-36 ms prepacked and 52 ms weight-major).
+    - M > ``small_rows`` (and every M in bf16): oneDNN's matmul on a copy of the weight prepacked
+      once in its blocked layout (the kernel vLLM-CPU runs its linears with);
+    - M <= ``small_rows`` in fp32: ``F.linear`` on the weight as stored (BLAS).
+
+    Which is faster for one or two rows depends on the CPU's BLAS, so ``pick_small_rows`` times
+    both on a model's whole product chain and sets ``small_rows`` (the runner does this once per
+    model). Measured on the embedded target's chain (docs/benchmarks.md, Round cost): on an Intel
+    Sapphire Rapids VM ``F.linear`` 26 ms at 1-2 rows against 32-36 ms prepacked; on an AMD EPYC
+    (Zen 4) VM, where MKL takes a generic path, ``F.linear`` 51 / 88 ms at 1 / 2 rows against 27
+    ms prepacked. Until picked, ``small_rows`` is 2 in fp32.
 
     Without oneDNN (a torch build without mkldnn, or a non-CPU weight) every M takes ``F.linear``.
     The packed copy costs the weight's size again in memory.
@@ -97,6 +101,42 @@ class FrozenLinear:
         else:
             out = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")  # [M, out]
         return out if residual is None else out.add_(residual)
+
+
+def pick_small_rows(chain: list[FrozenLinear], *, max_rows: int = 2, repeats: int = 3) -> int:
+    """Time ``chain`` (a forward's products, in order) at 1 … ``max_rows`` rows with ``F.linear``
+    and with the prepacked weights (median of ``repeats`` interleaved runs after a warm-up), set
+    every product's ``small_rows`` to the largest row count up to which ``F.linear`` was faster at
+    every count (0: never), and return it. Only fp32 chains with packed weights have a choice."""
+    if not chain or any(lin.packed is None or lin.weight.dtype != torch.float32 for lin in chain):
+        return chain[0].small_rows if chain else 0
+    import time
+
+    def run(kernel: str, inputs: list[torch.Tensor]) -> float:
+        begin = time.perf_counter()
+        for x, lin in zip(inputs, chain):
+            if kernel == "blas":
+                F.linear(x, lin.weight)
+            else:
+                torch.ops.mkldnn._linear_pointwise(x, lin.packed, None, "none", [], "")
+        return time.perf_counter() - begin
+
+    small = 0
+    with torch.inference_mode():
+        for rows in range(1, max_rows + 1):
+            inputs = [torch.randn(rows, lin.weight.shape[1]) for lin in chain]
+            times = {"blas": [], "packed": []}
+            for rep in range(repeats + 1):
+                for kernel in times:
+                    elapsed = run(kernel, inputs)
+                    if rep:  # the first pass warms both
+                        times[kernel].append(elapsed)
+            if sorted(times["blas"])[repeats // 2] >= sorted(times["packed"])[repeats // 2]:
+                break
+            small = rows
+    for lin in chain:
+        lin.small_rows = small
+    return small
 
 
 class Linear(nn.Linear):

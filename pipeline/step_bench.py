@@ -6,13 +6,17 @@ For each batch size ``B``, ``B`` requests that each hold ``context_tokens`` comm
 ``rows`` new rows (1: an AR decode step; ``1 + k``: a chain verify of ``k`` drafts) through the
 engine's own ``LlamaRunner`` (``serving/runner.py``), and the benchmark reports:
 
-- ``forward_ms``: the forward's wall time, median of ``repeats``;
+- ``forward_ms``: the forward's wall time, median of ``repeats``, for each ``path`` of the runner:
+  ``fused`` (the fused CPU kernels between the products, ``kernels/decode_cpu.py``; the default
+  where they build) and ``torch`` (torch ops only), on the same shared weights;
 - ``kinds_ms`` and ``shares``: how a profiled forward's wall time splits. Each top-level op's CPU
   time (its children included, from ``torch.profiler``) is summed by ``KINDS`` (``products``: every
   projection and the LM head; ``attention``; ``norms``; ``rope``; ``kv_writes``; ``other_ops``: the
   rest, e.g. SiLU, residual adds, the copies behind reshapes), and ``python`` is the wall time no op
   accounts for: Python and dispatch between ops. The profiler's own cost lands mostly there, so
-  ``profiled_forward_ms`` is reported next to ``forward_ms``;
+  ``profiled_forward_ms`` is reported next to ``forward_ms``. On the fused path each kernel is one
+  op (``specray::attention`` also does RoPE and the KV writes; ``specray::silu_mul`` is counted
+  in ``other_ops``);
 - ``products_ms``: the forward's matrix products alone (the same weights, at ``B * rows`` rows),
   timed per kernel: ``F.linear`` on the stored ``[out, in]`` weights, the prepacked oneDNN weights
   ``FrozenLinear`` runs for more rows (``drafters/common.py``; absent without oneDNN), and
@@ -45,8 +49,8 @@ KINDS: dict[str, tuple[str, ...]] = {
     "products": ("mkldnn::_linear_pointwise", "aten::linear", "aten::mm", "aten::addmm", "aten::matmul",
                  "mkl::_mkl_linear"),
     "attention": ("aten::bmm", "aten::baddbmm", "aten::softmax", "aten::_softmax",
-                  "aten::scaled_dot_product_attention"),
-    "norms": ("aten::rms_norm",),
+                  "aten::scaled_dot_product_attention", "specray::attention"),  # fused: with RoPE and KV writes
+    "norms": ("aten::rms_norm", "specray::add_rms_norm"),
     "rope": ("aten::flip", "aten::addcmul"),
     "kv_writes": ("aten::index_copy_", "aten::copy_"),
 }
@@ -114,30 +118,38 @@ def _products_ms(chain: list, rows: int, repeats: int, vllm_handles: list | None
 
 def bench_step(target: Target, *, batch_sizes: tuple[int, ...] = (1, 4, 16), rows: int = 1,
                context_tokens: int = 256, repeats: int = 7) -> dict:
-    """The breakdown for every batch size (module doc); the runner's KV holds only this benchmark's rows."""
+    """The breakdown for every batch size and runner path (module doc); the runners' KV holds only
+    this benchmark's rows."""
     if repeats < 1 or rows < 1 or context_tokens < 1 or not batch_sizes or min(batch_sizes) < 1:
         raise ValueError("bench step needs repeats >= 1, rows >= 1, context_tokens >= 1 and positive batch sizes")
     batch_sizes = tuple(sorted(set(batch_sizes)))
-    runner = LlamaRunner(target.model, num_slots=batch_sizes[-1], max_len=context_tokens + rows)
     slots = torch.arange(batch_sizes[-1])
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, target.vocab_size, (len(slots), context_tokens), generator=generator)
-    runner.forward(context, slots, torch.full((len(slots),), context_tokens))
-    runner.cache.committed[slots] = context_tokens  # the forwards below write scratch rows after the context
-    chain = runner.products()
+    runners = {}  # path -> runner on the target's shared weights; the engine's default first
+    default = LlamaRunner(target.model, num_slots=len(slots), max_len=context_tokens + rows)
+    runners["fused" if default.native else "torch"] = default
+    if default.native:
+        runners["torch"] = LlamaRunner(target.model, num_slots=len(slots), max_len=context_tokens + rows, native=False)
+    for runner in runners.values():
+        runner.forward(context, slots, torch.full((len(slots),), context_tokens))
+        runner.cache.committed[slots] = context_tokens  # the forwards below write scratch rows after the context
+    chain = default.products()
     vllm_handles = _vllm_handles(chain)
     results = []
     for b in batch_sizes:
         ids = torch.randint(0, target.vocab_size, (b, rows), generator=generator)
+        products = _products_ms(chain, b * rows, repeats, vllm_handles)
+        for path, runner in runners.items():
 
-        def forward(b=b, ids=ids):
-            return runner.forward(ids, slots[:b], torch.full((b,), rows))
+            def forward(b=b, ids=ids, runner=runner):
+                return runner.forward(ids, slots[:b], torch.full((b,), rows))
 
-        forward_ms = _median_ms(forward, repeats)
-        kinds, profiled = _kinds(forward, repeats)
-        results.append({"batch": b, "rows": rows, "forward_ms": forward_ms, "profiled_forward_ms": profiled,
-                        "kinds_ms": kinds, "shares": {k: v / profiled for k, v in kinds.items()},
-                        "products_ms": _products_ms(chain, b * rows, repeats, vllm_handles)})
+            forward_ms = _median_ms(forward, repeats)
+            kinds, profiled = _kinds(forward, repeats)
+            results.append({"batch": b, "rows": rows, "path": path, "forward_ms": forward_ms,
+                            "profiled_forward_ms": profiled, "kinds_ms": kinds,
+                            "shares": {k: v / profiled for k, v in kinds.items()}, "products_ms": products})
     return {"benchmark": "step", "target": target.name, "machine": describe_machine(target).model_dump(),
             "context_tokens": context_tokens, "repeats": repeats, "results": results}
 
@@ -148,10 +160,10 @@ def step_table(result: dict) -> str:
     lines = [f"{result['target']} ({result['machine']['dtype']}, {result['machine']['threads']} threads), "
              f"{result['context_tokens']} committed tokens per request",
              f"{'':>22}share of a profiled forward by kind{'':>40}products alone, ms",
-             f"{'batch':>5} {'rows':>4} {'fwd ms':>7} " + " ".join(f"{k:>9}" for k in kinds)
+             f"{'batch':>5} {'rows':>4} {'path':>5} {'fwd ms':>7} " + " ".join(f"{k:>9}" for k in kinds)
              + "  " + " ".join(f"{k:>9}" for k in kernels)]
     for r in result["results"]:
-        lines.append(f"{r['batch']:>5} {r['rows']:>4} {r['forward_ms']:>7.1f} "
+        lines.append(f"{r['batch']:>5} {r['rows']:>4} {r['path']:>5} {r['forward_ms']:>7.1f} "
                      + " ".join(f"{100 * r['shares'][k]:>8.0f}%" for k in kinds)
                      + "  " + " ".join(f"{r['products_ms'].get(k, float('nan')):>9.1f}" for k in kernels))
     return "\n".join(lines)

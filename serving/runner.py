@@ -7,22 +7,25 @@ builders, generation config checks). This runner is built for that regime (numbe
 ``docs/benchmarks.md``):
 
 - every projection is a ``FrozenLinear`` (``drafters/common.py``) on the ``[out, in]`` weights
-  (``[q; k; v]`` and ``[gate; up]`` fused into one matrix each): ``F.linear`` for one or two fp32
-  rows, oneDNN's matmul on a copy of the weights prepacked once in its blocked layout for more
-  rows (and for every row count in bf16), the kernel vLLM-CPU runs its linears with. A batch-4
-  decode's product chain then takes about two thirds of the time of the ``(W @ x.T).T`` gemm
-  (numbers in ``FrozenLinear``). Every forward uses torch's intra-op threads, so AR decoding and
-  a speculative verify of the same rows cost the same. (A lone row on one thread, tried for
-  robustness on an oversubscribed machine where each of its ~150 parallel regions can wait a
-  scheduler slice for the second thread, made our AR 1.5x slower than the 2-row verify on a quiet
-  machine and flattered speculation. On a machine shared with other busy processes, give the
-  engine fewer threads instead: ``specray serve``'s ``engine.num_threads``, or
-  ``torch.set_num_threads``);
-- the residual is added in place into each product's output; RoPE rotates
-  q and k in one ``addcmul`` with a sign-folded sine table (``rotate_half(x) * sin ==
-  flip_halves(x) * [-sin, sin]``); grouped-query attention is two batched matmuls per layer over
-  views of the cache (the ``g = H / Hkv`` query heads of one KV head share it, no repeat), scale
-  and mask folded into ``baddbmm``;
+  (``[q; k; v]`` and ``[gate; up]`` fused into one matrix each): oneDNN's matmul on a copy of the
+  weights prepacked once in its blocked layout (the kernel vLLM-CPU runs its linears with), or
+  ``F.linear`` for one or two fp32 rows where that measured faster on this machine
+  (``pick_small_rows``, once per model: it depends on the CPU's BLAS). Every forward uses torch's
+  intra-op threads, so AR decoding and a speculative verify of the same rows cost the same. (A
+  lone row on one thread, tried for robustness on an oversubscribed machine where each of its
+  ~150 parallel regions can wait a scheduler slice for the second thread, made our AR 1.5x slower
+  than the 2-row verify on a quiet machine and flattered speculation. On a machine shared with
+  other busy processes, give the engine fewer threads instead: ``specray serve``'s
+  ``engine.num_threads``, or ``torch.set_num_threads``);
+- between the products, in fp32 on CPU, one fused call each (``kernels/decode_cpu.py``, built
+  at first use with the machine's C compiler): the residual add with the next RMSNorm, SiLU·up,
+  and per layer RoPE + the K/V write + attention over the slot cache in place (a chain or a
+  tree's mask) — ``native``; otherwise (bf16, no compiler, ``SPECRAY_NATIVE_KERNELS=0``) torch
+  ops: the residual is added in place into each product's output; RoPE rotates q and k in one
+  ``addcmul`` with a sign-folded sine table (``rotate_half(x) * sin == flip_halves(x) * [-sin,
+  sin]``); grouped-query attention is two batched matmuls per layer over views of the cache (the
+  ``g = H / Hkv`` query heads of one KV head share it, no repeat), scale and mask folded into
+  ``baddbmm``. The prefill's attention is the torch one on both paths (long causal blocks);
 - everything that depends only on the forward's shape (positions, RoPE rows, the attention
   bias, the KV write views or index, the cache read views) is computed once per forward, not
   per layer;
@@ -48,7 +51,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specray.drafters.common import FrozenLinear, apply_rope_table, rope_table
+from specray.drafters.common import FrozenLinear, apply_rope_table, pick_small_rows, rope_table
+from specray.kernels import decode_cpu
 from specray.serving.kv_cache import SlotKVCache, attention_mask, tree_attention_mask
 
 @dataclass
@@ -85,10 +89,16 @@ _PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (
 _PREPARED_LOCK = threading.Lock()
 
 
+def _chain(lm_head: FrozenLinear, layers: list[dict]) -> list[FrozenLinear]:
+    """Every product one forward runs, in order: each layer's qkv, o, gate_up and down, then the LM head."""
+    return [layer[name] for layer in layers for name in ("qkv", "o", "gate_up", "down")] + [lm_head]
+
+
 def _prepared(model) -> tuple[FrozenLinear, list[dict]]:
     """The model's serving weights, made on first use and shared while the model lives: the LM
-    head, and per layer the norms and the products (``[q; k; v]`` and ``[gate; up]`` fused).
-    Made again if a parameter was changed in place since (its version counter moved)."""
+    head, and per layer the norms and the products (``[q; k; v]`` and ``[gate; up]`` fused), with
+    the products' small-row kernel picked by timing the chain (``pick_small_rows``). Made again
+    if a parameter was changed in place since (its version counter moved)."""
     versions = tuple(p._version for p in model.parameters())
     with _PREPARED_LOCK:
         if model not in _PREPARED or _PREPARED[model][0] != versions:
@@ -104,6 +114,7 @@ def _prepared(model) -> tuple[FrozenLinear, list[dict]]:
                     "down": FrozenLinear(m.down_proj.weight),
                 })
             lm_head = FrozenLinear(model.lm_head.weight)  # [V, D] (tied on SmolLM2: the embedding's tensor)
+            pick_small_rows(_chain(lm_head, layers))
             _PREPARED[model] = (versions, lm_head, layers)
         return _PREPARED[model][1:]
 
@@ -130,7 +141,8 @@ class _Plan:
 
 
 class LlamaRunner:
-    def __init__(self, model, *, num_slots: int, max_len: int, capture_layer_ids: tuple[int, ...] = ()):
+    def __init__(self, model, *, num_slots: int, max_len: int, capture_layer_ids: tuple[int, ...] = (),
+                 native: bool | None = None):
         cfg = model.config
         if cfg.model_type not in ("llama",):
             raise ValueError(f"the serving runner supports Llama-family targets, got model_type={cfg.model_type!r}")
@@ -149,10 +161,16 @@ class LlamaRunner:
         self.cos, self.sin = rope_table(max_len, self.head_dim, theta, dtype)  # [max_len, hd] each, sines sign-folded
         self.cache = SlotKVCache(num_layers=len(self.layers), num_slots=num_slots, max_len=max_len,
                                  num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=dtype)
+        # the fused kernels (kernels/decode_cpu.py) for fp32 on CPU when they build here; native=True requires them
+        supported = dtype == torch.float32 and self.embed.device.type == "cpu"
+        if native and not (supported and decode_cpu.available()):
+            raise RuntimeError("native=True needs an fp32 CPU target and the fused CPU kernels: "
+                               + (decode_cpu.unavailable_reason() or f"the target is {dtype} on {self.embed.device}"))
+        self.native = supported and decode_cpu.available() if native is None else native
 
     def products(self) -> list[FrozenLinear]:
-        """Every product one forward runs, in order: each layer's qkv, o, gate_up and down, then the LM head."""
-        return [layer[name] for layer in self.layers for name in ("qkv", "o", "gate_up", "down")] + [self.lm_head]
+        """Every product one forward runs, in order (``_chain``)."""
+        return _chain(self.lm_head, self.layers)
 
     def _plan(self, slots: torch.Tensor, num_new: torch.Tensor, T: int, tree: TreeLayout | None) -> _Plan:
         B, Hkv, hd = len(slots), self.num_kv_heads, self.head_dim
@@ -184,6 +202,21 @@ class LlamaRunner:
                     0, places, bias.view(B, Hkv, -1, length)).view(W * Hkv, -1, length)
         return _Plan(B, T, self.cos[positions][:, None], self.sin[positions][:, None], bias, write_index,
                      write_views, keys, values, places, index, length)
+
+    def _native_attention(self, slots: torch.Tensor, num_new: torch.Tensor, T: int,
+                          tree: TreeLayout | None) -> decode_cpu.Attention:
+        """``_attention`` for every layer of this forward as one fused call per layer."""
+        slots = slots.to(torch.int64).contiguous()
+        start = self.cache.committed[slots]  # [B]
+        length = int((start + T).max())
+        if length > self.cache.max_len:
+            raise ValueError(f"context of {length} tokens exceeds the engine's max_len {self.cache.max_len}")
+        offsets = torch.arange(T) if tree is None else tree.depths
+        positions = (start[:, None] + offsets).view(-1)  # [B*T] RoPE positions
+        return decode_cpu.Attention(
+            B=len(slots), T=T, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, cos=self.cos[positions],
+            sin=self.sin[positions], k_cache=self.cache.k, v_cache=self.cache.v, slots=slots, start=start,
+            num_new=num_new.to(torch.int64).contiguous(), visible=None if tree is None else tree.ancestors)
 
     def _attention_bias(self, start: torch.Tensor, num_new: torch.Tensor, T: int, length: int,
                         tree: TreeLayout | None) -> torch.Tensor:
@@ -231,6 +264,8 @@ class LlamaRunner:
     def _decoder(self, x: torch.Tensor, attend) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The decoder layers over rows x [R, D] (``attend(i, qkv) -> [R, H*hd]`` is layer i's attention);
         returns (the final norm's input [R, D], the captured layers' outputs, each [R, D])."""
+        if self.native:
+            return self._decoder_native(x, attend)
         D = x.shape[-1]
         hidden: dict[int, torch.Tensor] = {}
         for i, w in enumerate(self.layers):
@@ -242,6 +277,18 @@ class LlamaRunner:
                 hidden[i] = x
         return x, hidden
 
+    def _decoder_native(self, x: torch.Tensor, attend) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """``_decoder`` with the fused kernels (``kernels/decode_cpu.py``): each residual add is done
+        in place inside the next RMSNorm, and SiLU·up is one call."""
+        hidden: dict[int, torch.Tensor] = {}
+        y = None  # the last product's output, not yet added to x
+        for i, w in enumerate(self.layers):
+            y = w["o"](attend(i, w["qkv"](decode_cpu.add_rms_norm(x, y, w["in_norm"], self.eps))))
+            y = w["down"](decode_cpu.silu_mul(w["gate_up"](decode_cpu.add_rms_norm(x, y, w["post_norm"], self.eps))))
+            if i in self.capture_layer_ids:
+                hidden[i] = x + y
+        return x.add_(y), hidden
+
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(F.rms_norm(x, (x.shape[-1],), self.final_norm, self.eps)).float()
 
@@ -250,8 +297,12 @@ class LlamaRunner:
                 tree: TreeLayout | None = None) -> RunnerOutput:
         """``tree``: the rows form a tree per request (``TreeLayout``), else a causal chain."""
         B, T = input_ids.shape
-        plan = self._plan(slots, num_new, T, tree)
-        x, hidden = self._decoder(F.embedding(input_ids.reshape(-1), self.embed), lambda i, qkv: self._attention(i, qkv, plan))
+        if self.native:
+            attend = self._native_attention(slots, num_new, T, tree)
+        else:
+            plan = self._plan(slots, num_new, T, tree)
+            attend = lambda i, qkv: self._attention(i, qkv, plan)  # noqa: E731
+        x, hidden = self._decoder(F.embedding(input_ids.reshape(-1), self.embed), attend)
         return RunnerOutput(self._logits(x).view(B, T, -1), {i: h.view(B, T, -1) for i, h in hidden.items()})
 
     @torch.inference_mode()

@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specray.drafters import ALGORITHMS, DRAFTERS, get_drafter
+from specray.drafters import ALGORITHMS, DRAFTERS, common, get_drafter
 from specray.drafters.common import (FrozenLinear, apply_rope, apply_rope_table, d2t_offsets, draft_to_target,
-                                     rope_table, small_m_linear, t2d_mask, target_to_draft, to_target_distribution,
+                                     pick_small_rows, rope_table, small_m_linear, t2d_mask, target_to_draft, to_target_distribution,
                                      weight_major_linear)
 
 VOCAB = torch.tensor([2, 5, 9])  # a draft vocabulary over V = 12 target ids
@@ -63,6 +63,32 @@ def test_frozen_linear_is_linear_plus_residual(rows, dtype, tol):
     expected = x.float() @ w.float().T
     torch.testing.assert_close(linear(x).float(), expected, rtol=tol, atol=tol * 10)
     torch.testing.assert_close(linear(x, residual=residual).float(), expected + residual.float(), rtol=tol, atol=tol * 10)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN: F.linear is the only kernel")
+@pytest.mark.parametrize("slow", ["blas", "packed"])
+def test_pick_small_rows_takes_the_kernel_that_measured_faster(monkeypatch, slow):
+    """Whichever kernel is made slow loses at every row count: F.linear slow -> 0 small rows (always
+    oneDNN); the packed kernel slow -> F.linear up to max_rows. Set on every product of the chain."""
+    import time
+
+    chain = [FrozenLinear(torch.randn(64, 32)), FrozenLinear(torch.randn(32, 64))]
+    real_linear, real_packed = common.F.linear, torch.ops.mkldnn._linear_pointwise
+
+    def delayed(fn):
+        def run(*args, **kwargs):
+            time.sleep(0.002)
+            return fn(*args, **kwargs)
+        return run
+
+    if slow == "blas":
+        monkeypatch.setattr(common.F, "linear", delayed(real_linear))
+    else:
+        monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", delayed(real_packed))
+    picked = pick_small_rows(chain, max_rows=2, repeats=3)
+    assert picked == (0 if slow == "blas" else 2)
+    assert [lin.small_rows for lin in chain] == [picked] * 2
+    assert pick_small_rows([FrozenLinear(torch.randn(8, 8, dtype=torch.bfloat16))]) == 0  # bf16: always oneDNN
 
 
 def test_unimplemented_and_unknown_algorithms_name_the_implemented_ones():

@@ -133,7 +133,8 @@ def _acceptance(outputs, k: int) -> list[float]:
 
 
 def _ours(target, export: Path, prompts) -> tuple[list[list[int]], list[float]]:
-    engine = Engine(target, str(export), max_batch=1, num_speculative_tokens=K)
+    # every round drafts K, as vLLM's do (the automatic choice may take plain steps where the cost table says so)
+    engine = Engine(target, str(export), max_batch=1, num_speculative_tokens=K, speculation="static")
     outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS + K))
     eos = target.tokenizer.eos_token_id
     return [[t for t in o.token_ids[:MAX_TOKENS] if t != eos] for o in outputs], _acceptance(outputs, K)

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from specray.kernels import decode_cpu
 from specray.serving.kv_cache import SlotKVCache
 from specray.serving.runner import LlamaRunner
 
@@ -17,8 +18,15 @@ def _reference(target, ids):
     return out.logits[0], out.hidden_states
 
 
-def _check_runner_matches_transformers(target, atol):
-    runner = LlamaRunner(target.model, num_slots=3, max_len=512, capture_layer_ids=(1, 3))
+def _native(flag):
+    """A runner's ``native`` argument for a test over both paths (skipped where the kernels did not build)."""
+    if flag and not decode_cpu.available():
+        pytest.skip(f"fused CPU kernels unavailable: {decode_cpu.unavailable_reason()}")
+    return flag
+
+
+def _check_runner_matches_transformers(target, atol, native=None):
+    runner = LlamaRunner(target.model, num_slots=3, max_len=512, capture_layer_ids=(1, 3), native=native)
     prompts = [_prompt(target, "Hi"), _prompt(target, "Tell me a long story about a dragon, please.")]
     slots = torch.tensor([runner.cache.allocate(), runner.cache.allocate()])
     T = max(len(p) for p in prompts)
@@ -46,13 +54,15 @@ def _check_runner_matches_transformers(target, atol):
             runner.cache.commit(int(slots[b]), 1)
 
 
-def test_runner_matches_transformers_debug(debug_target):
-    _check_runner_matches_transformers(debug_target, atol=1e-4)
+@pytest.mark.parametrize("native", [True, False])
+def test_runner_matches_transformers_debug(debug_target, native):
+    _check_runner_matches_transformers(debug_target, atol=1e-4, native=_native(native))
 
 
 @pytest.mark.slow
-def test_runner_matches_transformers_smollm2(smollm2):
-    _check_runner_matches_transformers(smollm2, atol=2e-3)
+@pytest.mark.parametrize("native", [True, False])
+def test_runner_matches_transformers_smollm2(smollm2, native):
+    _check_runner_matches_transformers(smollm2, atol=2e-3, native=_native(native))
 
 
 def test_uncommitted_rows_are_never_context(debug_target):
@@ -118,13 +128,14 @@ def test_capacity_and_slot_errors(debug_target):
         runner.cache.commit(0, 9)
 
 
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("order", [[0, 2, 3], [3, 0, 2], [0, 5]])
-def test_decode_over_a_slot_window_with_holes_or_gathered_equals_each_request_alone(debug_target, order):
+def test_decode_over_a_slot_window_with_holes_or_gathered_equals_each_request_alone(debug_target, order, native):
     """[0, 2, 3] / [3, 0, 2]: views of the window 0..3 (slot 1's rows computed and dropped);
     [0, 5]: sparser than half the window, gathered copies. Each request's logits and cache rows
     equal those of a forward of that request alone."""
     target = debug_target
-    batched, alone = (LlamaRunner(target.model, num_slots=6, max_len=128) for _ in range(2))
+    batched, alone = (LlamaRunner(target.model, num_slots=6, max_len=128, native=_native(native)) for _ in range(2))
     for runner in (batched, alone):
         for s in range(6):
             runner.cache.allocate()
@@ -141,11 +152,13 @@ def test_decode_over_a_slot_window_with_holes_or_gathered_equals_each_request_al
         torch.testing.assert_close(batched.cache.k[:, s, :, :n], alone.cache.k[:, s, :, :n], atol=1e-5, rtol=1e-5)
 
 
-def test_packed_prefill_equals_the_padded_forward(debug_target):
+@pytest.mark.parametrize("native", [True, False])
+def test_packed_prefill_equals_the_padded_forward(debug_target, native):
     """``prefill`` (packed rows, logits of last rows only) gives what ``forward`` on the right-padded
     batch gives for the real rows: last-row logits, captured layers, and the K/V it writes — for
     prompts of different lengths, one slot already holding committed rows."""
-    runners = [LlamaRunner(debug_target.model, num_slots=3, max_len=128, capture_layer_ids=(0, 2)) for _ in range(2)]
+    runners = [LlamaRunner(debug_target.model, num_slots=3, max_len=128, capture_layer_ids=(0, 2), native=_native(native))
+               for _ in range(2)]
     prompts = [[5, 9, 31, 7], [40, 2, 2, 8, 19, 3, 77], [12]]
     for runner in runners:  # slot 1 holds 3 committed rows
         runner.forward(torch.tensor([[3, 4, 5]]), torch.tensor([1]), torch.tensor([3]))

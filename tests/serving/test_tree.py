@@ -4,6 +4,7 @@ compaction of an accepted path."""
 import pytest
 import torch
 
+from specray.kernels import decode_cpu
 from specray.serving.kv_cache import SlotKVCache, tree_attention_mask
 from specray.serving.runner import LlamaRunner
 from specray.serving.tree import accept_tree, select_tree, tree_layout
@@ -51,10 +52,14 @@ def test_tree_attention_mask_sees_committed_context_and_ancestors_only():
                                    [1, 1, 1, 1, 0, 1, 0, 0]]   # z: a, x, z
 
 
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("order", [[0, 1], [1, 0], [0]])
-def test_tree_rows_equal_a_plain_forward_of_their_path(debug_target, order):
-    """Consecutive slots (cache views), reversed slots (gathered copies) and one request alone."""
-    runner = LlamaRunner(debug_target.model, num_slots=2, max_len=256)
+def test_tree_rows_equal_a_plain_forward_of_their_path(debug_target, order, native):
+    """Consecutive slots (cache views), reversed slots (gathered copies) and one request alone;
+    the fused kernels' attention (native) and the torch path's."""
+    if native and not decode_cpu.available():
+        pytest.skip(f"fused CPU kernels unavailable: {decode_cpu.unavailable_reason()}")
+    runner = LlamaRunner(debug_target.model, num_slots=2, max_len=256, native=native)
     prompts = [_prompt(debug_target, "Hi"), _prompt(debug_target, "Tell me about castles.")]
     for slot, p in enumerate(prompts):
         runner.forward(torch.tensor([p]), torch.tensor([slot]), torch.tensor([len(p)]))

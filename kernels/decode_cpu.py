@@ -1,0 +1,256 @@
+"""Fused fp32 CPU kernels around the serving runner's products, each paired with a plain-torch
+reference in this module.
+
+A decode step of a small target on CPU is the weights' product chain plus a few hundred small
+ops between the products (norms, residual adds, RoPE, the KV write, attention, SiLU·up), and
+each op costs a dispatch, an allocation and a pass over memory. ``decode_cpu.c`` does the work
+between two products in one call each, per layer:
+
+- ``add_rms_norm``: ``x += y`` (the residual add) then RMSNorm, one pass;
+- ``attention``: RoPE of q and k, the K/V write into the slot cache, and softmax attention of
+  every query head over its request's committed keys and the new rows it may see (a causal
+  chain, or any mask over the new rows: a tree), reading the cache in place;
+- ``silu_mul``: ``silu(gate) * up`` on the fused ``[gate; up]`` output.
+
+The C source is compiled at first use with the machine's C compiler (``cc``, ``-O3
+-march=native -fopenmp``) into ``$SPECRAY_CACHE/kernels/`` (keyed by the source, the compiler
+and the CPU's flags) and loaded with ctypes. Its OpenMP loops run on the libgomp torch has
+loaded, with ``torch.get_num_threads()`` threads. ``available()`` says whether the kernels
+loaded (and ``unavailable_reason()`` why not: no compiler, a build error, a non-x86 CPU,
+or ``SPECRAY_NATIVE_KERNELS=0``); the runner then stays on its torch path, the same math.
+
+Results equal the references up to float rounding (different summation order, an FMA, a
+polynomial exp within 2 ulp). Non-finite inputs stay non-finite in the outputs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("decode_cpu.c")
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+_LOCK = threading.Lock()
+_LIB: ctypes.CDLL | None = None
+_REASON: str | None = None
+_LOADED = False
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("SPECRAY_CACHE", Path.home() / ".cache" / "specray")) / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build() -> ctypes.CDLL:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(_FLAGS).encode(),
+                                     _cpu_flags().encode()])).hexdigest()[:16]
+    target = _cache_dir() / f"decode_cpu-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            proc = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{compiler} failed on {_SOURCE.name}:\n{proc.stderr[-2000:]}")
+            os.replace(built, target)  # atomic: concurrent builders each write a whole file
+    lib = ctypes.CDLL(str(target))
+    p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    lib.specray_add_rms_norm.argtypes = [p, p, p, p, i64, i64, f32, i32]
+    lib.specray_silu_mul.argtypes = [p, p, i64, i64, i32]
+    lib.specray_attention.argtypes = [p, i64, i64, i64, i64, i64, p, p, p, p, i64, p, p, p, p, f32, p, i32]
+    for fn in (lib.specray_add_rms_norm, lib.specray_silu_mul, lib.specray_attention):
+        fn.restype = None
+    return lib
+
+
+def _lib() -> ctypes.CDLL | None:
+    global _LIB, _REASON, _LOADED
+    if _LOADED:
+        return _LIB
+    with _LOCK:
+        if not _LOADED:
+            if os.environ.get("SPECRAY_NATIVE_KERNELS", "1") == "0":
+                _REASON = "SPECRAY_NATIVE_KERNELS=0"
+            elif platform.machine() not in ("x86_64", "AMD64"):
+                _REASON = f"built for x86-64 only (this machine: {platform.machine()})"
+            else:
+                try:
+                    _LIB = _build()
+                except Exception as e:  # noqa: BLE001 - any build or load failure leaves the torch path
+                    _REASON = f"could not build {_SOURCE.name}: {e}"
+            if _REASON is not None:
+                log.warning("fused CPU kernels unavailable (%s); the serving runner uses its torch path", _REASON)
+            _LOADED = True
+    return _LIB
+
+
+def available() -> bool:
+    """Whether the compiled kernels are loaded (building them on first call)."""
+    return _lib() is not None
+
+
+def unavailable_reason() -> str | None:
+    _lib()
+    return _REASON
+
+
+def _run(name: str, fn, *args) -> None:
+    """Call a kernel; under ``torch.profiler`` as a ``specray::<name>`` range (``specray bench step``)."""
+    if torch.autograd._profiler_enabled():
+        with torch.profiler.record_function(f"specray::{name}"):
+            fn(*args)
+    else:
+        fn(*args)
+
+
+def _check(name: str, t: torch.Tensor, shape: tuple[int, ...] | None = None, dtype=torch.float32) -> int:
+    if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous CPU {dtype} tensor, got {t.dtype} on {t.device} "
+                         f"(contiguous={t.is_contiguous()})")
+    if shape is not None and tuple(t.shape) != shape:
+        raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
+    return t.data_ptr()
+
+
+# ---- add + RMSNorm ---------------------------------------------------------------------------
+
+def add_rms_norm_reference(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
+                           eps: float) -> torch.Tensor:
+    """x [R, D] (updated in place: ``x += y`` when y is given) -> RMSNorm(x) * weight [R, D]."""
+    if y is not None:
+        x.add_(y)
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    R, D = x.shape
+    out = torch.empty_like(x)
+    _run("add_rms_norm", _lib().specray_add_rms_norm, _check("x", x), None if y is None else _check("y", y, (R, D)),
+         _check("weight", weight, (D,)), out.data_ptr(), R, D, eps, torch.get_num_threads())
+    return out
+
+
+# ---- SiLU · up -------------------------------------------------------------------------------
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [R, 2I] ([gate; up] fused) -> silu(gate) * up [R, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    R, I2 = gate_up.shape
+    out = gate_up.new_empty(R, I2 // 2)
+    _run("silu_mul", _lib().specray_silu_mul, _check("gate_up", gate_up), out.data_ptr(), R, I2 // 2,
+         torch.get_num_threads())
+    return out
+
+
+# ---- attention over the slot cache -----------------------------------------------------------
+
+def attention_reference(qkv: torch.Tensor, *, B: int, T: int, num_heads: int, num_kv_heads: int,
+                        cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slots: torch.Tensor, start: torch.Tensor, num_new: torch.Tensor,
+                        visible: torch.Tensor | None = None) -> torch.Tensor:
+    """qkv [B*T, (H + 2Hkv)*hd] -> attention output [B*T, H*hd]; writes the rows' rotated K and V
+    at cache rows ``start[b] + t`` of slot ``slots[b]`` (caches [num_slots, Hkv, max_len, hd]).
+
+    Row t of request b sees its committed keys and, with ``visible`` [B, T, T] None (a causal
+    chain), the new rows ``j <= t`` (a padding row, ``t >= num_new[b]``, key 0 only); else
+    new row j iff ``visible[b, t, j]``. cos/sin [B*T, hd]: rows of ``rope_table`` (sines
+    sign-folded)."""
+    H, Hkv = num_heads, num_kv_heads
+    hd = k_cache.shape[-1]
+    g = H // Hkv
+    x = qkv.view(B * T, H + 2 * Hkv, hd)
+    rot = x[:, : H + Hkv] * cos[:, None] + x[:, : H + Hkv].view(B * T, H + Hkv, 2, hd // 2).flip(2).reshape(
+        B * T, H + Hkv, hd) * sin[:, None]
+    out = qkv.new_empty(B * T, H * hd)
+    for b in range(B):
+        slot, s = int(slots[b]), int(start[b])
+        k_cache[slot, :, s : s + T] = rot[b * T : (b + 1) * T, H:].transpose(0, 1)
+        v_cache[slot, :, s : s + T] = x[b * T : (b + 1) * T, H + Hkv :].transpose(0, 1)
+        for t in range(T):
+            if visible is None:
+                seen = torch.arange(s + t + 1) if t < int(num_new[b]) else torch.tensor([0])
+            else:
+                seen = torch.cat([torch.arange(s), s + visible[b, t].nonzero()[:, 0]])
+            r = b * T + t
+            for h in range(H):
+                keys, values = k_cache[slot, h // g, seen], v_cache[slot, h // g, seen]  # [n, hd]
+                p = (keys @ rot[r, h] * hd**-0.5).softmax(-1)
+                out[r, h * hd : (h + 1) * hd] = p @ values
+    return out
+
+
+class Attention:
+    """One forward's attention over the layers of a slot cache, checked once and then called per
+    layer: ``Attention(...)(layer, qkv)`` is ``attention_reference`` on ``k_cache[layer]``,
+    ``v_cache[layer]`` (caches [L, num_slots, Hkv, max_len, hd]; other arguments as there)."""
+
+    def __init__(self, *, B: int, T: int, num_heads: int, num_kv_heads: int, cos: torch.Tensor,
+                 sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                 start: torch.Tensor, num_new: torch.Tensor, visible: torch.Tensor | None = None):
+        H, Hkv = num_heads, num_kv_heads
+        L, num_slots, _, max_len, hd = k_cache.shape
+        if k_cache.shape[2] != Hkv or v_cache.shape != k_cache.shape:
+            raise ValueError(f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not hold {Hkv} KV heads")
+        if H % Hkv or hd % 2:
+            raise ValueError(f"{H} query heads over {Hkv} KV heads of size {hd}")
+        if int((start + T).max()) > max_len or int(slots.max()) >= num_slots or int(slots.min()) < 0:
+            raise ValueError("a request's rows or slot fall outside the cache")
+        if visible is not None:
+            visible = visible.to(torch.uint8).contiguous()
+            _check("visible", visible, (B, T, T), torch.uint8)
+        self._keep = (cos, sin, k_cache, v_cache, slots, start, num_new, visible)  # alive while pointers are used
+        self._k, self._v = _check("k_cache", k_cache), _check("v_cache", v_cache)
+        self._layer_bytes = k_cache[0].numel() * k_cache.element_size()
+        self._width, self._out = (H + 2 * Hkv) * hd, H * hd
+        self._rows, self._layers = B * T, L
+        self._args = (B, T, H, Hkv, hd, _check("cos", cos, (B * T, hd)), _check("sin", sin, (B * T, hd)))
+        self._rest = (max_len, _check("slots", slots, (B,), torch.int64), _check("start", start, (B,), torch.int64),
+                      _check("num_new", num_new, (B,), torch.int64),
+                      None if visible is None else visible.data_ptr(), hd**-0.5)
+        self._fn = _lib().specray_attention
+
+    def __call__(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
+        if not 0 <= layer < self._layers:
+            raise IndexError(f"layer {layer} outside 0..{self._layers - 1}")
+        _check("qkv", qkv, (self._rows, self._width))
+        out = qkv.new_empty(self._rows, self._out)
+        offset = layer * self._layer_bytes
+        _run("attention", self._fn, qkv.data_ptr(), *self._args, self._k + offset, self._v + offset, *self._rest,
+             out.data_ptr(), torch.get_num_threads())
+        return out
+
+
+def attention(qkv: torch.Tensor, *, k_cache: torch.Tensor, v_cache: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``attention_reference`` in one call (same arguments; caches of one layer)."""
+    return Attention(k_cache=k_cache[None], v_cache=v_cache[None], **kwargs)(0, qkv)
