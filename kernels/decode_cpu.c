@@ -11,8 +11,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef __AVX512F__
+/* Vector paths: AVX-512F (16 lanes), else AVX2 + FMA (8 lanes), else plain C that the compiler
+ * vectorises where it can (the `omp simd` loops). -march=native picks the widest this CPU has. */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+
+#ifdef __AVX512F__
 
 /* exp(x) for 16 lanes: x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial on r, times 2^n
  * (scalef). Relative error ~2 ulp; x < -104 gives 0, x > 88.7 gives inf, NaN stays NaN (the
@@ -32,6 +37,34 @@ static inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     return _mm512_scalef_ps(p, n);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* exp16's algorithm on 8 lanes. AVX2 has no scalef: 2^n is applied as two powers of two, 2^(n>>1)
+ * and 2^(n - (n>>1)), each a normal float for n in [-150, 128]; p * 2^a is exact, so the result is
+ * rounded once, as scalef's. NaN stays NaN (p is NaN; the integer path of n is then ignored). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-104.0f), x);
+    x = _mm256_min_ps(_mm256_set1_ps(89.0f), x);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1), bias = _mm256_set1_epi32(127);
+    const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+    const __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, a), b);
+}
+
+/* Lanes [0, k) set, for masked loads and stores of a tail of k < 8 floats. */
+static inline __m256i tail_mask8(int64_t k) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 #endif
 
@@ -54,6 +87,23 @@ static float exp_sum(float *x, int64_t n) {
         i = n;
     }
     sum = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = exp8(_mm256_loadu_ps(x + i));
+        _mm256_storeu_ps(x + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    if (i < n) {
+        const __m256i m = tail_mask8(n - i);
+        const __m256 e = _mm256_and_ps(exp8(_mm256_maskload_ps(x + i, m)), _mm256_castsi256_ps(m));
+        _mm256_maskstore_ps(x + i, m, e);
+        acc = _mm256_add_ps(acc, e);
+        i = n;
+    }
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    sum = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 #endif
     for (; i < n; i++) {
         x[i] = expf(x[i]);
@@ -110,6 +160,13 @@ void specray_silu_mul(const float *gu, float *out, int64_t R, int64_t I, int nth
             const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
             _mm512_storeu_ps(o + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
         }
+#elif defined(__AVX2__) && defined(__FMA__)
+        for (; i + 8 <= I; i += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+        }
 #endif
         for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
@@ -149,6 +206,26 @@ static void scores_of(const float *q, const float *keys, int64_t n, int64_t hd, 
             _mm512_storeu_ps(scores + j, _mm512_mul_ps(sum, vscale));
         }
     }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (hd % 8 == 0) {
+        /* 8 keys at a time, as above: per key 8-lane partial products (q's chunk loaded once for
+         * the 8 keys), then horizontal adds that leave the 8 dot products in one vector. */
+        const __m256 vscale = _mm256_set1_ps(scale);
+        for (; j + 8 <= n; j += 8) {
+            const float *k = keys + j * hd;
+            __m256 part[8];
+            for (int u = 0; u < 8; u++) part[u] = _mm256_setzero_ps();
+            for (int64_t c = 0; c < hd; c += 8) {
+                const __m256 qc = _mm256_loadu_ps(q + c);
+                for (int u = 0; u < 8; u++) part[u] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + u * hd + c), part[u]);
+            }
+            /* hadd pairs, then quads: [k0 k1 k2 k3 | k0 k1 k2 k3] halves of 4-lane sums */
+            const __m256 q0 = _mm256_hadd_ps(_mm256_hadd_ps(part[0], part[1]), _mm256_hadd_ps(part[2], part[3]));
+            const __m256 q1 = _mm256_hadd_ps(_mm256_hadd_ps(part[4], part[5]), _mm256_hadd_ps(part[6], part[7]));
+            const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
+            _mm256_storeu_ps(scores + j, _mm256_mul_ps(sum, vscale));
+        }
+    }
 #endif
     for (; j < n; j++) scores[j] = dot(q, keys + j * hd, hd) * scale;
 }
@@ -169,8 +246,63 @@ static void add_weighted(const float *p, const float *values, int64_t n, int64_t
     }
 }
 
-/* One forward's attention for one layer, B requests x T rows (R = B*T rows, row r = b*T + t).
+/* The request b whose rows [first[b], first[b + 1]) hold row r (first ascending, B + 1 entries). */
+static inline int64_t request_of(const int64_t *first, int64_t B, int64_t r) {
+    int64_t lo = 0, hi = B - 1;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (first[mid] <= r) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+/* One attention task: query head h of row r (row t of request b), keys as specray_attention says. */
+static inline void attend_one(const float *qkv, int64_t b, int64_t h, int64_t t, int64_t r, int64_t T, int64_t H,
+                              int64_t g, int64_t hd, int64_t width, const float *cos, const float *sin,
+                              const float *kc, const float *vc, int64_t head_stride, int64_t slot_stride,
+                              const int64_t *slots, const int64_t *start, const int64_t *num_new,
+                              const uint8_t *vis, float scale, float *out, float *scores, int64_t *extra, float *q,
+                              float *acc) {
+    const float *keys = kc + slots[b] * slot_stride + (h / g) * head_stride;
+    const float *values = vc + slots[b] * slot_stride + (h / g) * head_stride;
+    rope(qkv + r * width + h * hd, cos + r * hd, sin + r * hd, q, hd);
+    const int64_t s = start[b];
+    /* keys 0 .. n0 - 1, then the new rows listed in extra (a mask over them) */
+    int64_t n0, ne = 0;
+    if (vis == NULL) {
+        n0 = (t < num_new[b]) ? s + t + 1 : 1;
+    } else {
+        n0 = s;
+        for (int64_t j = 0; j < T; j++)
+            if (vis[(b * T + t) * T + j]) extra[ne++] = s + j;
+    }
+    const int64_t n = n0 + ne;
+    scores_of(q, keys, n0, hd, scale, scores);
+    for (int64_t e = 0; e < ne; e++) scores[n0 + e] = dot(q, keys + extra[e] * hd, hd) * scale;
+    float m = -INFINITY, check = 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        m = scores[j] > m ? scores[j] : m;
+        check += scores[j] * 0.0f; /* NaN if any score is NaN or inf */
+    }
+    float *o = out + r * H * hd + h * hd;
+    if (n == 0 || check != check) {
+        for (int64_t d = 0; d < hd; d++) o[d] = NAN;
+        return;
+    }
+    for (int64_t j = 0; j < n; j++) scores[j] -= m;
+    const float inv = 1.0f / exp_sum(scores, n);
+    for (int64_t d = 0; d < hd; d++) acc[d] = 0.0f;
+    add_weighted(scores, values, n0, hd, acc);
+    for (int64_t e = 0; e < ne; e++) add_weighted(scores + n0 + e, values + extra[e] * hd, 1, hd, acc);
+    for (int64_t d = 0; d < hd; d++) o[d] = acc[d] * inv;
+}
+
+/* One forward's attention for one layer over B requests' new rows, R rows in all.
  *
+ * Rows: with first == NULL, T rows per request (R = B*T, row r = b*T + t, the rows t >=
+ * num_new[b] padding); else request b's rows are first[b] .. first[b + 1] - 1 (B + 1 offsets,
+ * packed back to back, all real: a prefill; T is then the largest count, vis must be NULL).
  * qkv [R, (H + 2*Hkv)*hd]: each row's q heads, k heads, v heads (unrotated). cos, sin [R, hd]:
  * each row's RoPE table row. kc, vc: the layer's cache [num_slots, Hkv, max_len, hd]; request b
  * owns slot slots[b] with start[b] committed keys. Row t of request b writes its rotated k and
@@ -181,11 +313,11 @@ static void add_weighted(const float *p, const float *values, int64_t n, int64_t
  *     and key start[b] + j iff vis[b, t, j].
  * Softmax as torch's: max, exp, sum. out [R, H*hd]. A non-finite score makes its row's output
  * NaN (the torch softmax would give NaN too). */
-void specray_attention(const float *qkv, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t hd,
-                       const float *cos, const float *sin, float *kc, float *vc, int64_t max_len,
+void specray_attention(const float *qkv, int64_t B, int64_t T, const int64_t *first, int64_t H, int64_t Hkv,
+                       int64_t hd, const float *cos, const float *sin, float *kc, float *vc, int64_t max_len,
                        const int64_t *slots, const int64_t *start, const int64_t *num_new,
                        const uint8_t *vis, float scale, float *out, int nthreads) {
-    const int64_t R = B * T, width = (H + 2 * Hkv) * hd, g = H / Hkv;
+    const int64_t R = first ? first[B] : B * T, width = (H + 2 * Hkv) * hd, g = H / Hkv;
     const int64_t head_stride = max_len * hd, slot_stride = Hkv * head_stride;
 
 #pragma omp parallel num_threads(nthreads)
@@ -193,7 +325,8 @@ void specray_attention(const float *qkv, int64_t B, int64_t T, int64_t H, int64_
         /* 1. K/V writes: every row, every KV head. */
 #pragma omp for schedule(static)
         for (int64_t rk = 0; rk < R * Hkv; rk++) {
-            const int64_t r = rk / Hkv, kh = rk % Hkv, b = r / T, t = r % T;
+            const int64_t r = rk / Hkv, kh = rk % Hkv, b = first ? request_of(first, B, r) : r / T;
+            const int64_t t = first ? r - first[b] : r % T;
             const float *row = qkv + r * width;
             const int64_t at = slots[b] * slot_stride + kh * head_stride + (start[b] + t) * hd;
             rope(row + (H + kh) * hd, cos + r * hd, sin + r * hd, kc + at, hd);
@@ -205,42 +338,24 @@ void specray_attention(const float *qkv, int64_t B, int64_t T, int64_t H, int64_
         int64_t *extra = malloc(sizeof(int64_t) * (T + 1));
         float *q = malloc(sizeof(float) * 2 * hd), *acc = q + hd;
         /* 2. attention: one task per (request, query head, row); tasks of one KV head are
-         * adjacent, so a thread's consecutive tasks reread keys from its cache. */
+         * adjacent, so a thread's consecutive tasks reread keys from its cache. Equal shares of
+         * a step's few tasks (static); a prefill's tasks differ in length (row t reads t + 1
+         * keys), so its threads take chunks as they finish (dynamic). */
+        if (first == NULL) {
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < B * H * T; task++) {
-            const int64_t b = task / (H * T), h = (task / T) % H, t = task % T, r = b * T + t;
-            const float *keys = kc + slots[b] * slot_stride + (h / g) * head_stride;
-            const float *values = vc + slots[b] * slot_stride + (h / g) * head_stride;
-            rope(qkv + r * width + h * hd, cos + r * hd, sin + r * hd, q, hd);
-            const int64_t s = start[b];
-            /* keys 0 .. n0 - 1, then the new rows listed in extra (a mask over them) */
-            int64_t n0, ne = 0;
-            if (vis == NULL) {
-                n0 = (t < num_new[b]) ? s + t + 1 : 1;
-            } else {
-                n0 = s;
-                for (int64_t j = 0; j < T; j++)
-                    if (vis[(b * T + t) * T + j]) extra[ne++] = s + j;
+            for (int64_t task = 0; task < B * H * T; task++) {
+                const int64_t b = task / (H * T), h = (task / T) % H, t = task % T;
+                attend_one(qkv, b, h, t, b * T + t, T, H, g, hd, width, cos, sin, kc, vc, head_stride, slot_stride,
+                           slots, start, num_new, vis, scale, out, scores, extra, q, acc);
             }
-            const int64_t n = n0 + ne;
-            scores_of(q, keys, n0, hd, scale, scores);
-            for (int64_t e = 0; e < ne; e++) scores[n0 + e] = dot(q, keys + extra[e] * hd, hd) * scale;
-            float m = -INFINITY, check = 0.0f;
-            for (int64_t j = 0; j < n; j++) {
-                m = scores[j] > m ? scores[j] : m;
-                check += scores[j] * 0.0f; /* NaN if any score is NaN or inf */
+        } else {
+#pragma omp for schedule(dynamic, 16)
+            for (int64_t task = 0; task < H * R; task++) {
+                const int64_t b = request_of(first, B, task / H), n = first[b + 1] - first[b];
+                const int64_t local = task - H * first[b], h = local / n, t = local % n;
+                attend_one(qkv, b, h, t, first[b] + t, T, H, g, hd, width, cos, sin, kc, vc, head_stride,
+                           slot_stride, slots, start, num_new, NULL, scale, out, scores, extra, q, acc);
             }
-            float *o = out + r * H * hd + h * hd;
-            if (n == 0 || check != check) {
-                for (int64_t d = 0; d < hd; d++) o[d] = NAN;
-                continue;
-            }
-            for (int64_t j = 0; j < n; j++) scores[j] -= m;
-            const float inv = 1.0f / exp_sum(scores, n);
-            for (int64_t d = 0; d < hd; d++) acc[d] = 0.0f;
-            add_weighted(scores, values, n0, hd, acc);
-            for (int64_t e = 0; e < ne; e++) add_weighted(scores + n0 + e, values + extra[e] * hd, 1, hd, acc);
-            for (int64_t d = 0; d < hd; d++) o[d] = acc[d] * inv;
         }
         free(q);
         free(extra);

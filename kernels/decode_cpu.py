@@ -14,7 +14,8 @@ between two products in one call each, per layer:
 
 The C source is compiled at first use with the machine's C compiler (``cc``, ``-O3
 -march=native -fopenmp``) into ``$SPECRAY_CACHE/kernels/`` (keyed by the source, the compiler
-and the CPU's flags) and loaded with ctypes. Its OpenMP loops run on the libgomp torch has
+and the CPU's flags) and loaded with ctypes. The exp, softmax and dot-product loops have AVX-512
+and AVX2 + FMA paths (the widest the CPU has); elsewhere plain C the compiler vectorises. Its OpenMP loops run on the libgomp torch has
 loaded, with ``torch.get_num_threads()`` threads. ``available()`` says whether the kernels
 loaded (and ``unavailable_reason()`` why not: no compiler, a build error, a non-x86 CPU,
 or ``SPECRAY_NATIVE_KERNELS=0``); the runner then stays on its torch path, the same math.
@@ -41,7 +42,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("decode_cpu.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _LOCK = threading.Lock()
 _LIB: ctypes.CDLL | None = None
 _REASON: str | None = None
@@ -62,20 +63,24 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build() -> ctypes.CDLL:
+def _build(march: str = "native") -> ctypes.CDLL:
+    """Compile (or reuse from the cache) and load the kernels for ``-march={march}``: ``native`` in
+    serving; the tests also build the narrower ISA levels this CPU runs (``x86-64-v3``: AVX2 + FMA;
+    ``x86-64-v2``: no vector path of ours), so that each vector path is checked where it runs."""
+    flags = [*_FLAGS, f"-march={march}"]
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     source = _SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(_FLAGS).encode(),
+    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(),
                                      _cpu_flags().encode()])).hexdigest()[:16]
     target = _cache_dir() / f"decode_cpu-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            proc = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"],
+            proc = subprocess.run([compiler, *flags, str(_SOURCE), "-o", str(built), "-lm"],
                                   capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(f"{compiler} failed on {_SOURCE.name}:\n{proc.stderr[-2000:]}")
@@ -84,7 +89,7 @@ def _build() -> ctypes.CDLL:
     p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     lib.specray_add_rms_norm.argtypes = [p, p, p, p, i64, i64, f32, i32]
     lib.specray_silu_mul.argtypes = [p, p, i64, i64, i32]
-    lib.specray_attention.argtypes = [p, i64, i64, i64, i64, i64, p, p, p, p, i64, p, p, p, p, f32, p, i32]
+    lib.specray_attention.argtypes = [p, i64, i64, p, i64, i64, i64, p, p, p, p, i64, p, p, p, p, f32, p, i32]
     for fn in (lib.specray_add_rms_norm, lib.specray_silu_mul, lib.specray_attention):
         fn.restype = None
     return lib
@@ -175,34 +180,51 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 # ---- attention over the slot cache -----------------------------------------------------------
 
-def attention_reference(qkv: torch.Tensor, *, B: int, T: int, num_heads: int, num_kv_heads: int,
+def _row_offsets(B: int, T: int | None, lengths: torch.Tensor | None) -> torch.Tensor:
+    """[B + 1] first row of each request in the forward's rows: ``T`` rows each, or ``lengths`` packed."""
+    if (T is None) == (lengths is None):
+        raise ValueError("give T (rows per request, padded) or lengths (rows packed back to back), not both")
+    if lengths is None:
+        return torch.arange(B + 1, dtype=torch.int64) * T
+    if lengths.shape != (B,) or int(lengths.min()) < 1:
+        raise ValueError(f"lengths: expected {B} row counts >= 1, got {lengths.tolist()}")
+    return torch.cat([torch.zeros(1, dtype=torch.int64), lengths.to(torch.int64).cumsum(0)])
+
+
+def attention_reference(qkv: torch.Tensor, *, B: int, T: int | None = None, num_heads: int, num_kv_heads: int,
                         cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        slots: torch.Tensor, start: torch.Tensor, num_new: torch.Tensor,
-                        visible: torch.Tensor | None = None) -> torch.Tensor:
-    """qkv [B*T, (H + 2Hkv)*hd] -> attention output [B*T, H*hd]; writes the rows' rotated K and V
+                        slots: torch.Tensor, start: torch.Tensor, num_new: torch.Tensor | None = None,
+                        visible: torch.Tensor | None = None, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """qkv [R, (H + 2Hkv)*hd] -> attention output [R, H*hd]; writes the rows' rotated K and V
     at cache rows ``start[b] + t`` of slot ``slots[b]`` (caches [num_slots, Hkv, max_len, hd]).
 
-    Row t of request b sees its committed keys and, with ``visible`` [B, T, T] None (a causal
-    chain), the new rows ``j <= t`` (a padding row, ``t >= num_new[b]``, key 0 only); else
-    new row j iff ``visible[b, t, j]``. cos/sin [B*T, hd]: rows of ``rope_table`` (sines
-    sign-folded)."""
+    Rows: ``T`` per request (R = B*T; row t of request b is row b*T + t; rows ``t >= num_new[b]``
+    padding), or with ``lengths`` [B] (a prefill) ``lengths[b]`` per request packed back to back,
+    all real (``num_new`` and ``visible`` unused). Row t of request b sees its committed keys and,
+    with ``visible`` [B, T, T] None (a causal chain), the new rows ``j <= t`` (a padding row key 0
+    only); else new row j iff ``visible[b, t, j]``. cos/sin [R, hd]: rows of ``rope_table``
+    (sines sign-folded)."""
     H, Hkv = num_heads, num_kv_heads
     hd = k_cache.shape[-1]
     g = H // Hkv
-    x = qkv.view(B * T, H + 2 * Hkv, hd)
-    rot = x[:, : H + Hkv] * cos[:, None] + x[:, : H + Hkv].view(B * T, H + Hkv, 2, hd // 2).flip(2).reshape(
-        B * T, H + Hkv, hd) * sin[:, None]
-    out = qkv.new_empty(B * T, H * hd)
+    first = _row_offsets(B, T, lengths)
+    R = int(first[-1])
+    x = qkv.view(R, H + 2 * Hkv, hd)
+    rot = x[:, : H + Hkv] * cos[:, None] + x[:, : H + Hkv].view(R, H + Hkv, 2, hd // 2).flip(2).reshape(
+        R, H + Hkv, hd) * sin[:, None]
+    out = qkv.new_empty(R, H * hd)
     for b in range(B):
-        slot, s = int(slots[b]), int(start[b])
-        k_cache[slot, :, s : s + T] = rot[b * T : (b + 1) * T, H:].transpose(0, 1)
-        v_cache[slot, :, s : s + T] = x[b * T : (b + 1) * T, H + Hkv :].transpose(0, 1)
-        for t in range(T):
+        slot, s, rows = int(slots[b]), int(start[b]), slice(int(first[b]), int(first[b + 1]))
+        n = rows.stop - rows.start
+        real = n if lengths is not None else int(num_new[b])
+        k_cache[slot, :, s : s + n] = rot[rows, H:].transpose(0, 1)
+        v_cache[slot, :, s : s + n] = x[rows, H + Hkv :].transpose(0, 1)
+        for t in range(n):
             if visible is None:
-                seen = torch.arange(s + t + 1) if t < int(num_new[b]) else torch.tensor([0])
+                seen = torch.arange(s + t + 1) if t < real else torch.tensor([0])
             else:
                 seen = torch.cat([torch.arange(s), s + visible[b, t].nonzero()[:, 0]])
-            r = b * T + t
+            r = rows.start + t
             for h in range(H):
                 keys, values = k_cache[slot, h // g, seen], v_cache[slot, h // g, seen]  # [n, hd]
                 p = (keys @ rot[r, h] * hd**-0.5).softmax(-1)
@@ -215,26 +237,38 @@ class Attention:
     layer: ``Attention(...)(layer, qkv)`` is ``attention_reference`` on ``k_cache[layer]``,
     ``v_cache[layer]`` (caches [L, num_slots, Hkv, max_len, hd]; other arguments as there)."""
 
-    def __init__(self, *, B: int, T: int, num_heads: int, num_kv_heads: int, cos: torch.Tensor,
+    def __init__(self, *, B: int, T: int | None = None, num_heads: int, num_kv_heads: int, cos: torch.Tensor,
                  sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                 start: torch.Tensor, num_new: torch.Tensor, visible: torch.Tensor | None = None):
+                 start: torch.Tensor, num_new: torch.Tensor | None = None, visible: torch.Tensor | None = None,
+                 lengths: torch.Tensor | None = None):
         H, Hkv = num_heads, num_kv_heads
         L, num_slots, _, max_len, hd = k_cache.shape
         if k_cache.shape[2] != Hkv or v_cache.shape != k_cache.shape:
             raise ValueError(f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not hold {Hkv} KV heads")
         if H % Hkv or hd % 2:
             raise ValueError(f"{H} query heads over {Hkv} KV heads of size {hd}")
-        if int((start + T).max()) > max_len or int(slots.max()) >= num_slots or int(slots.min()) < 0:
+        first = _row_offsets(B, T, lengths)
+        counts = first[1:] - first[:-1]  # [B] rows per request
+        if int((start + counts).max()) > max_len or int(slots.max()) >= num_slots or int(slots.min()) < 0:
             raise ValueError("a request's rows or slot fall outside the cache")
+        if lengths is not None:  # packed: every row is real, and a mask over ragged rows has no [B, T, T] form
+            if visible is not None:
+                raise ValueError("visible (a mask over T rows per request) needs T, not lengths")
+            num_new, T = counts, int(counts.max())
+        elif num_new is None:
+            raise ValueError("num_new (the real rows of each request's T) is required with T")
         if visible is not None:
             visible = visible.to(torch.uint8).contiguous()
             _check("visible", visible, (B, T, T), torch.uint8)
-        self._keep = (cos, sin, k_cache, v_cache, slots, start, num_new, visible)  # alive while pointers are used
+        R = int(first[-1])
+        first = first.contiguous() if lengths is not None else None  # the kernel's uniform path needs no offsets
+        self._keep = (cos, sin, k_cache, v_cache, slots, start, num_new, visible, first)  # alive while pointers are used
         self._k, self._v = _check("k_cache", k_cache), _check("v_cache", v_cache)
         self._layer_bytes = k_cache[0].numel() * k_cache.element_size()
         self._width, self._out = (H + 2 * Hkv) * hd, H * hd
-        self._rows, self._layers = B * T, L
-        self._args = (B, T, H, Hkv, hd, _check("cos", cos, (B * T, hd)), _check("sin", sin, (B * T, hd)))
+        self._rows, self._layers = R, L
+        self._args = (B, T, None if first is None else first.data_ptr(), H, Hkv, hd,
+                      _check("cos", cos, (R, hd)), _check("sin", sin, (R, hd)))
         self._rest = (max_len, _check("slots", slots, (B,), torch.int64), _check("start", start, (B,), torch.int64),
                       _check("num_new", num_new, (B,), torch.int64),
                       None if visible is None else visible.data_ptr(), hd**-0.5)

@@ -19,13 +19,13 @@ builders, generation config checks). This runner is built for that regime (numbe
   ``engine.num_threads``, or ``torch.set_num_threads``);
 - between the products, in fp32 on CPU, one fused call each (``kernels/decode_cpu.py``, built
   at first use with the machine's C compiler): the residual add with the next RMSNorm, SiLU·up,
-  and per layer RoPE + the K/V write + attention over the slot cache in place (a chain or a
-  tree's mask) — ``native``; otherwise (bf16, no compiler, ``SPECRAY_NATIVE_KERNELS=0``) torch
-  ops: the residual is added in place into each product's output; RoPE rotates q and k in one
+  and per layer RoPE + the K/V write + attention over the slot cache in place (a chain, a
+  tree's mask, or a prefill's prompts packed back to back) — ``native``; otherwise (bf16, no
+  compiler, ``SPECRAY_NATIVE_KERNELS=0``) torch ops: the residual is added in place into each product's output; RoPE rotates q and k in one
   ``addcmul`` with a sign-folded sine table (``rotate_half(x) * sin == flip_halves(x) * [-sin,
   sin]``); grouped-query attention is two batched matmuls per layer over views of the cache (the
   ``g = H / Hkv`` query heads of one KV head share it, no repeat), scale and mask folded into
-  ``baddbmm``. The prefill's attention is the torch one on both paths (long causal blocks);
+  ``baddbmm``; a prefill's, per prompt (long causal blocks);
 - everything that depends only on the forward's shape (positions, RoPE rows, the attention
   bias, the KV write views or index, the cache read views) is computed once per forward, not
   per layer;
@@ -322,6 +322,26 @@ class LlamaRunner:
                              f"{self.cache.max_len}")
         ends = lengths.cumsum(0)  # [B] each prompt's rows are [ends - lengths, ends) of the packed R
         positions = torch.cat([torch.arange(int(s), int(s) + len(p)) for s, p in zip(start, prompts)])  # [R]
+        if self.native:  # one fused call per layer over the packed rows
+            attend = decode_cpu.Attention(B=len(prompts), lengths=lengths, num_heads=self.num_heads,
+                                          num_kv_heads=self.num_kv_heads, cos=self.cos[positions],
+                                          sin=self.sin[positions], k_cache=self.cache.k, v_cache=self.cache.v,
+                                          slots=slots.to(torch.int64).contiguous(), start=start)
+        else:
+            attend = self._prefill_attention(prompts, slots, start, ends, lengths, positions)
+        x, hidden = self._decoder(F.embedding(torch.cat([torch.tensor(p) for p in prompts]), self.embed), attend)
+        B, T = len(prompts), int(lengths.max())
+        rows = (torch.arange(T)[None, :] < lengths[:, None]).view(-1).nonzero()[:, 0]  # real rows of [B*T]
+
+        def padded(h: torch.Tensor) -> torch.Tensor:  # [R, X] packed -> [B, T, X], zeros past each prompt
+            return h.new_zeros(B * T, h.shape[-1]).index_copy_(0, rows, h).view(B, T, -1)
+
+        logits = padded(self._logits(x)) if every_row else self._logits(x[ends - 1])[:, None]
+        return RunnerOutput(logits, {i: padded(h) for i, h in hidden.items()})
+
+    def _prefill_attention(self, prompts: list[list[int]], slots: torch.Tensor, start: torch.Tensor,
+                           ends: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor):
+        """``prefill``'s attention in torch ops: per prompt, its rows' causal attention over its slot."""
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
         spans = [(int(e - n), int(n), int(slot), int(s)) for e, n, slot, s in zip(ends, lengths, slots, start)]
         biases = {}  # (rows, committed) -> [Hkv, g*rows, committed + rows] causal bias, shared by equal shapes
@@ -346,12 +366,4 @@ class LlamaRunner:
                 out.append(o.view(Hkv, g, n, hd).permute(2, 0, 1, 3).reshape(n, H * hd))
             return torch.cat(out)
 
-        x, hidden = self._decoder(F.embedding(torch.cat([torch.tensor(p) for p in prompts]), self.embed), attend)
-        B, T = len(prompts), int(lengths.max())
-        rows = (torch.arange(T)[None, :] < lengths[:, None]).view(-1).nonzero()[:, 0]  # real rows of [B*T]
-
-        def padded(h: torch.Tensor) -> torch.Tensor:  # [R, X] packed -> [B, T, X], zeros past each prompt
-            return h.new_zeros(B * T, h.shape[-1]).index_copy_(0, rows, h).view(B, T, -1)
-
-        logits = padded(self._logits(x)) if every_row else self._logits(x[ends - 1])[:, None]
-        return RunnerOutput(logits, {i: padded(h) for i, h in hidden.items()})
+        return attend

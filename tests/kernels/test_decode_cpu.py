@@ -12,6 +12,25 @@ from specray.kernels import decode_cpu
 needs_kernels = pytest.mark.skipif(not decode_cpu.available(), reason=f"{decode_cpu.unavailable_reason()}")
 
 
+def _isa_levels() -> list[str]:
+    """-march levels to check: native (what serving builds), AVX2 + FMA when this CPU has them
+    (the vector path of CPUs without AVX-512), and x86-64-v2 (none of our vector paths)."""
+    if platform.machine() != "x86_64":
+        return ["native"]
+    flags = set(decode_cpu._cpu_flags().split())
+    return ["native", *(["x86-64-v3"] if {"avx2", "fma"} <= flags else []), "x86-64-v2"]
+
+
+@pytest.fixture(autouse=True, params=_isa_levels())
+def isa(request, monkeypatch):
+    """Every test below runs on the kernels built for each level (``decode_cpu._build``)."""
+    if request.param != "native":
+        if not decode_cpu.available():
+            pytest.skip(f"{decode_cpu.unavailable_reason()}")
+        monkeypatch.setattr(decode_cpu, "_LIB", decode_cpu._build(request.param))
+    return request.param
+
+
 def test_the_kernels_build_where_there_is_a_compiler():
     """On x86-64 with a C compiler the runner must not quietly fall back to its torch path."""
     if platform.machine() != "x86_64" or shutil.which("cc") is None:
@@ -39,6 +58,18 @@ def test_silu_mul_matches_the_reference(R, I):
     gate_up = torch.randn(R, 2 * I) * 6
     torch.testing.assert_close(decode_cpu.silu_mul(gate_up), decode_cpu.silu_mul_reference(gate_up),
                                atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+def test_exp_holds_over_the_float_range():
+    """SiLU and softmax through the kernels' exp over its whole range: underflow to 0, overflow to
+    inf (silu -> -0), and the large scores whose softmax is a near one-hot."""
+    gate_up = torch.linspace(-120, 120, 2 * 1000).view(2, 1000)
+    torch.testing.assert_close(decode_cpu.silu_mul(gate_up), decode_cpu.silu_mul_reference(gate_up),
+                               atol=1e-5, rtol=1e-5)
+    case = _attention_case(2, 3, 4, 2, 32, [29, 13], [3, 2], seed=11)
+    case["qkv"] *= 8  # scores in the hundreds
+    _compare(case)
 
 
 def _attention_case(B, T, H, Hkv, hd, starts, num_new, seed):
@@ -73,6 +104,41 @@ def _compare(case, visible=None):
 ])
 def test_chain_attention_matches_the_reference(B, T, H, Hkv, hd, starts, num_new):
     _compare(_attention_case(B, T, H, Hkv, hd, starts, num_new, seed=B * 100 + T))
+
+
+@needs_kernels
+@pytest.mark.parametrize("lengths, starts", [
+    ([1], [0]),  # one prompt of one token
+    ([37, 5, 1, 20], [0, 9, 0, 3]),  # ragged prompts, some after committed context (a later turn)
+])
+def test_packed_prefill_attention_matches_the_reference(lengths, starts):
+    """Prompts packed back to back (no padding rows): each row sees its committed keys and its
+    own prompt's rows up to itself, never another prompt's."""
+    B, H, Hkv, hd, R = len(lengths), 6, 2, 16, sum(lengths)
+    g = torch.Generator().manual_seed(R)
+    max_len, num_slots = max(s + n for s, n in zip(starts, lengths)) + 2, B + 1
+    cos, sin = rope_table(max_len, hd, 10000.0, torch.float32)
+    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])
+    case = dict(qkv=torch.randn(R, (H + 2 * Hkv) * hd, generator=g), B=B, lengths=torch.tensor(lengths),
+                num_heads=H, num_kv_heads=Hkv, cos=cos[positions].contiguous(), sin=sin[positions].contiguous(),
+                k_cache=torch.randn(num_slots, Hkv, max_len, hd, generator=g),
+                v_cache=torch.randn(num_slots, Hkv, max_len, hd, generator=g),
+                slots=torch.randperm(num_slots, generator=g)[:B], start=torch.tensor(starts))
+    _compare(case)
+    if B > 1:  # each prompt alone (the padded layout, T = its length) gives the same rows
+        want = decode_cpu.attention(**{**case, "k_cache": case["k_cache"].clone(), "v_cache": case["v_cache"].clone()})
+        first = 0
+        for b, n in enumerate(lengths):
+            one = {**case, "qkv": case["qkv"][first : first + n], "B": 1, "T": n, "lengths": None,
+                   "cos": case["cos"][first : first + n], "sin": case["sin"][first : first + n],
+                   "slots": case["slots"][b : b + 1], "start": case["start"][b : b + 1], "num_new": torch.tensor([n])}
+            got = decode_cpu.attention(**{**one, "k_cache": case["k_cache"].clone(), "v_cache": case["v_cache"].clone()})
+            torch.testing.assert_close(got, want[first : first + n], atol=2e-6, rtol=2e-5)
+            first += n
+    with pytest.raises(ValueError, match="not both"):
+        decode_cpu.attention(**{**case, "T": 4})
+    with pytest.raises(ValueError, match="needs T, not lengths"):
+        decode_cpu.attention(**{**case, "visible": torch.ones(B, 2, 2, dtype=torch.bool)})
 
 
 @needs_kernels
