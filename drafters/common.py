@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
+from specray.kernels import decode_cpu
+
 SMALL_M = 64  # inference products with at most this many rows take the (W @ xᵀ)ᵀ layout
 
 
@@ -70,73 +72,108 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 class FrozenLinear:
     """``x @ weightᵀ (+ residual)`` for a frozen [out, in] weight at inference: x [M, in] -> [M, out].
 
-    The serving runner's product (``serving/runner.py``), by row count on CPU:
+    The serving runner's product (``serving/runner.py``), with a kernel per row count M:
 
-    - M > ``small_rows`` (and every M in bf16): oneDNN's matmul on a copy of the weight prepacked
-      once in its blocked layout (the kernel vLLM-CPU runs its linears with);
-    - M <= ``small_rows`` in fp32: ``F.linear`` on the weight as stored (BLAS).
+    - ``packed``: oneDNN's matmul on a copy of the weight prepacked once in its blocked layout
+      (the kernel vLLM-CPU runs its linears with); every M in bf16, and every M above the picked
+      counts;
+    - ``native``: ``kernels/decode_cpu.py::linear`` on the weight as stored (fp32 on CPU, where
+      the fused kernels built): streams the weight once for a few rows;
+    - ``blas``: ``F.linear`` on the weight as stored.
 
-    Which is faster for one or two rows depends on the CPU's BLAS, so ``pick_small_rows`` times
-    both on a model's whole product chain and sets ``small_rows`` (the runner does this once per
-    model). Measured on the embedded target's chain (docs/benchmarks.md, Round cost): on an Intel
-    Sapphire Rapids VM ``F.linear`` 26 ms at 1-2 rows against 32-36 ms prepacked; on an AMD EPYC
-    (Zen 4) VM, where MKL takes a generic path, ``F.linear`` 51 / 88 ms at 1 / 2 rows against 27
-    ms prepacked. Until picked, ``small_rows`` is 2 in fp32.
+    Which is fastest for a few rows depends on the CPU (its vector width, its BLAS, its memory),
+    so ``pick_kernels`` times them on a model's chain of products and sets ``kernels`` (the
+    runner does this once per model). Measured on the embedded target's chain
+    (docs/benchmarks.md, Round cost): on an Intel Sapphire Rapids VM ``F.linear`` 26 ms at 1-2
+    rows against 32-36 ms prepacked; on an AMD EPYC (Zen 4) VM, where MKL takes a generic path,
+    ``F.linear`` 51 / 88 ms at 1 / 2 rows against 27 ms prepacked. Until picked, fp32 takes
+    ``F.linear`` for 1-2 rows.
 
-    Without oneDNN (a torch build without mkldnn, or a non-CPU weight) every M takes ``F.linear``.
-    The packed copy costs the weight's size again in memory.
+    Without oneDNN's prepacked kernel (a torch build without mkldnn, a non-CPU weight, or bf16 on
+    a CPU without AVX-512 or AVX-NE-CONVERT, where oneDNN refuses to pack it) every M takes
+    ``F.linear``. The packed copy costs the weight's size again in memory.
     """
 
     PACK_ROWS = 16  # the row count oneDNN lays the packed weight out for (it serves any M)
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight.detach()  # [out, in]
-        self.small_rows = 2 if self.weight.dtype == torch.float32 else 0
-        onednn = self.weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, self.PACK_ROWS) if onednn else None
+        self.packed = _prepack(self.weight, self.PACK_ROWS)
+        # (rows, kernel) ascending: M takes the kernel of the first entry with rows >= M; past the last, packed
+        self.kernels: list[tuple[int, str]] = [(2, "blas")] if self.weight.dtype == torch.float32 else []
+
+    def kernel(self, rows: int) -> str:
+        if self.packed is None:
+            return "blas"
+        return next((kernel for upto, kernel in self.kernels if rows <= upto), "packed")
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if self.packed is None or len(x) <= self.small_rows:
-            out = F.linear(x, self.weight)  # [M, out]
-        else:
+        kernel = self.kernel(len(x))
+        if kernel == "packed":
             out = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")  # [M, out]
+        elif kernel == "native":
+            out = decode_cpu.linear(x, self.weight)
+        else:
+            out = F.linear(x, self.weight)
         return out if residual is None else out.add_(residual)
 
 
-def pick_small_rows(chain: list[FrozenLinear], *, max_rows: int = 2, repeats: int = 3) -> int:
-    """Time ``chain`` (a forward's products, in order) at 1 … ``max_rows`` rows with ``F.linear``
-    and with the prepacked weights (median of ``repeats`` interleaved runs after a warm-up), set
-    every product's ``small_rows`` to the largest row count up to which ``F.linear`` was faster at
-    every count (0: never), and return it. Only fp32 chains with packed weights have a choice."""
+def _prepack(weight: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """oneDNN's blocked copy of ``weight`` for ``_linear_pointwise``, or None where it has none."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+    except RuntimeError:  # e.g. "bf16 path needs the cpu support avx_ne_convert or avx512bw, ..."
+        return None
+
+
+PICK_ROWS = (1, 2, 4, 8, 16)  # the row counts pick_kernels times (a decode step to a batch-16 step)
+PICK_BLAS_ROWS = 2  # F.linear is timed up to here only: on no CPU measured did it win at more rows
+PICK_PRODUCTS = 33  # the first products of the chain timed (8 layers of 4 and the LM head; more than a cache)
+
+
+def pick_kernels(chain: list[FrozenLinear], *, rows: tuple[int, ...] = PICK_ROWS, repeats: int = 3) -> dict[int, str]:
+    """Time the kernels (``FrozenLinear``) on ``chain`` (a forward's products, in order: its first
+    ``PICK_PRODUCTS`` and its last, enough weights to stream from memory as a forward does) at each
+    of ``rows``: the best of ``repeats`` interleaved runs after a warm-up. Set every product's
+    ``kernels`` so that a row count takes the kernel that was fastest at the smallest timed count
+    at or above it (packed past the largest), and return {rows: kernel}. Only fp32 chains with
+    packed weights have a choice."""
     if not chain or any(lin.packed is None or lin.weight.dtype != torch.float32 for lin in chain):
-        return chain[0].small_rows if chain else 0
+        return {}
     import time
+
+    timed = chain[:PICK_PRODUCTS] + chain[-1:] if len(chain) > PICK_PRODUCTS else chain
+    native = decode_cpu.available() and all(lin.weight.is_contiguous() for lin in chain)
+    packed_run = torch.ops.mkldnn._linear_pointwise
+    runs = {
+        "blas": lambda x, lin: F.linear(x, lin.weight),
+        "packed": lambda x, lin: packed_run(x, lin.packed, None, "none", [], ""),
+        "native": lambda x, lin: decode_cpu.linear(x, lin.weight),
+    }
 
     def run(kernel: str, inputs: list[torch.Tensor]) -> float:
         begin = time.perf_counter()
-        for x, lin in zip(inputs, chain):
-            if kernel == "blas":
-                F.linear(x, lin.weight)
-            else:
-                torch.ops.mkldnn._linear_pointwise(x, lin.packed, None, "none", [], "")
+        for x, lin in zip(inputs, timed):
+            runs[kernel](x, lin)
         return time.perf_counter() - begin
 
-    small = 0
+    picked = {}
     with torch.inference_mode():
-        for rows in range(1, max_rows + 1):
-            inputs = [torch.randn(rows, lin.weight.shape[1]) for lin in chain]
-            times = {"blas": [], "packed": []}
+        for count in sorted(rows):
+            inputs = [torch.randn(count, lin.weight.shape[1]) for lin in timed]
+            candidates = ["packed", *(["native"] if native else []), *(["blas"] if count <= PICK_BLAS_ROWS else [])]
+            times = {kernel: [] for kernel in candidates}
             for rep in range(repeats + 1):
-                for kernel in times:
+                for kernel in candidates:
                     elapsed = run(kernel, inputs)
-                    if rep:  # the first pass warms both
+                    if rep:  # the first pass warms each
                         times[kernel].append(elapsed)
-            if sorted(times["blas"])[repeats // 2] >= sorted(times["packed"])[repeats // 2]:
-                break
-            small = rows
+            picked[count] = min(candidates, key=lambda kernel: min(times[kernel]))
     for lin in chain:
-        lin.small_rows = small
-    return small
+        lin.kernels = sorted(picked.items())
+    return picked
 
 
 class Linear(nn.Linear):

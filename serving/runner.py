@@ -9,8 +9,9 @@ builders, generation config checks). This runner is built for that regime (numbe
 - every projection is a ``FrozenLinear`` (``drafters/common.py``) on the ``[out, in]`` weights
   (``[q; k; v]`` and ``[gate; up]`` fused into one matrix each): oneDNN's matmul on a copy of the
   weights prepacked once in its blocked layout (the kernel vLLM-CPU runs its linears with), or
-  ``F.linear`` for one or two fp32 rows where that measured faster on this machine
-  (``pick_small_rows``, once per model: it depends on the CPU's BLAS). Every forward uses torch's
+  for the few fp32 rows of a decode step our own product on the weights as stored
+  (``kernels/decode_cpu.py``) or ``F.linear``, whichever measured fastest on this machine
+  (``pick_kernels``, once per model: it depends on the CPU). Every forward uses torch's
   intra-op threads, so AR decoding and a speculative verify of the same rows cost the same. (A
   lone row on one thread, tried for robustness on an oversubscribed machine where each of its
   ~150 parallel regions can wait a scheduler slice for the second thread, made our AR 1.5x slower
@@ -51,7 +52,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specray.drafters.common import FrozenLinear, apply_rope_table, pick_small_rows, rope_table
+from specray.drafters.common import FrozenLinear, apply_rope_table, pick_kernels, rope_table
 from specray.kernels import decode_cpu
 from specray.serving.kv_cache import SlotKVCache, attention_mask, tree_attention_mask
 
@@ -97,7 +98,7 @@ def _chain(lm_head: FrozenLinear, layers: list[dict]) -> list[FrozenLinear]:
 def _prepared(model) -> tuple[FrozenLinear, list[dict]]:
     """The model's serving weights, made on first use and shared while the model lives: the LM
     head, and per layer the norms and the products (``[q; k; v]`` and ``[gate; up]`` fused), with
-    the products' small-row kernel picked by timing the chain (``pick_small_rows``). Made again
+    the products' kernel per row count picked by timing the chain (``pick_kernels``). Made again
     if a parameter was changed in place since (its version counter moved)."""
     versions = tuple(p._version for p in model.parameters())
     with _PREPARED_LOCK:
@@ -114,7 +115,7 @@ def _prepared(model) -> tuple[FrozenLinear, list[dict]]:
                     "down": FrozenLinear(m.down_proj.weight),
                 })
             lm_head = FrozenLinear(model.lm_head.weight)  # [V, D] (tied on SmolLM2: the embedding's tensor)
-            pick_small_rows(_chain(lm_head, layers))
+            pick_kernels(_chain(lm_head, layers))
             _PREPARED[model] = (versions, lm_head, layers)
         return _PREPARED[model][1:]
 

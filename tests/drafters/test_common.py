@@ -7,8 +7,9 @@ import torch.nn.functional as F
 
 from specray.drafters import ALGORITHMS, DRAFTERS, common, get_drafter
 from specray.drafters.common import (FrozenLinear, apply_rope, apply_rope_table, d2t_offsets, draft_to_target,
-                                     pick_small_rows, rope_table, small_m_linear, t2d_mask, target_to_draft, to_target_distribution,
+                                     pick_kernels, rope_table, small_m_linear, t2d_mask, target_to_draft, to_target_distribution,
                                      weight_major_linear)
+from specray.kernels import decode_cpu
 
 VOCAB = torch.tensor([2, 5, 9])  # a draft vocabulary over V = 12 target ids
 
@@ -55,25 +56,33 @@ def test_small_m_linear_is_linear(rows):
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 17])
 def test_frozen_linear_is_linear_plus_residual(rows, dtype, tol):
-    """Every row count takes its kernel (F.linear, or oneDNN on the prepacked copy) and matches x @ Wᵀ."""
+    """Every kernel a row count can take (F.linear, our product on the stored weight, oneDNN on the
+    prepacked copy) matches x @ Wᵀ, with and without the residual."""
     torch.manual_seed(0)
     x, w, residual = torch.randn(rows, 40, dtype=dtype), torch.randn(72, 40, dtype=dtype), torch.randn(rows, 72, dtype=dtype)
     linear = FrozenLinear(w)
-    assert (linear.packed is not None) == torch.backends.mkldnn.is_available()
+    if dtype == torch.float32:  # bf16 packs only where the CPU has AVX-512 or AVX-NE-CONVERT
+        assert (linear.packed is not None) == torch.backends.mkldnn.is_available()
     expected = x.float() @ w.float().T
-    torch.testing.assert_close(linear(x).float(), expected, rtol=tol, atol=tol * 10)
-    torch.testing.assert_close(linear(x, residual=residual).float(), expected + residual.float(), rtol=tol, atol=tol * 10)
+    kernels = ["blas", *(["packed"] if linear.packed is not None else []),
+               *(["native"] if dtype == torch.float32 and decode_cpu.available() else [])]
+    for kernel in kernels:
+        linear.kernels = [(rows, kernel)]
+        assert linear.kernel(rows) == kernel and linear.kernel(rows + 1) == ("packed" if linear.packed is not None else "blas")
+        torch.testing.assert_close(linear(x).float(), expected, rtol=tol, atol=tol * 10)
+        torch.testing.assert_close(linear(x, residual=residual).float(), expected + residual.float(), rtol=tol, atol=tol * 10)
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN: F.linear is the only kernel")
-@pytest.mark.parametrize("slow", ["blas", "packed"])
-def test_pick_small_rows_takes_the_kernel_that_measured_faster(monkeypatch, slow):
-    """Whichever kernel is made slow loses at every row count: F.linear slow -> 0 small rows (always
-    oneDNN); the packed kernel slow -> F.linear up to max_rows. Set on every product of the chain."""
+@pytest.mark.parametrize("fast", ["blas", "packed", "native"])
+def test_pick_kernels_takes_the_kernel_that_measured_fastest(monkeypatch, fast):
+    """With the other kernels made slow, the fast one is picked at every row count it is timed at
+    (F.linear only up to PICK_BLAS_ROWS), and set on every product of the chain."""
     import time
 
+    if fast == "native" and not decode_cpu.available():
+        pytest.skip(f"{decode_cpu.unavailable_reason()}")
     chain = [FrozenLinear(torch.randn(64, 32)), FrozenLinear(torch.randn(32, 64))]
-    real_linear, real_packed = common.F.linear, torch.ops.mkldnn._linear_pointwise
 
     def delayed(fn):
         def run(*args, **kwargs):
@@ -81,14 +90,16 @@ def test_pick_small_rows_takes_the_kernel_that_measured_faster(monkeypatch, slow
             return fn(*args, **kwargs)
         return run
 
-    if slow == "blas":
-        monkeypatch.setattr(common.F, "linear", delayed(real_linear))
-    else:
-        monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", delayed(real_packed))
-    picked = pick_small_rows(chain, max_rows=2, repeats=3)
-    assert picked == (0 if slow == "blas" else 2)
-    assert [lin.small_rows for lin in chain] == [picked] * 2
-    assert pick_small_rows([FrozenLinear(torch.randn(8, 8, dtype=torch.bfloat16))]) == 0  # bf16: always oneDNN
+    slow = {"blas": (common.F, "linear"), "packed": (torch.ops.mkldnn, "_linear_pointwise"), "native": (decode_cpu, "linear")}
+    for kernel, (owner, name) in slow.items():
+        if kernel != fast:
+            monkeypatch.setattr(owner, name, delayed(getattr(owner, name)))
+    picked = pick_kernels(chain, rows=(1, 2, 4), repeats=2)
+    timed = [r for r in (1, 2, 4) if fast != "blas" or r <= common.PICK_BLAS_ROWS]
+    assert all(picked[r] == fast for r in timed), picked
+    assert [lin.kernels for lin in chain] == [sorted(picked.items())] * 2
+    assert chain[0].kernel(3) == picked[4] and chain[0].kernel(5) == "packed"  # the next timed count; past the last
+    assert pick_kernels([FrozenLinear(torch.randn(8, 8, dtype=torch.bfloat16))]) == {}  # bf16: always oneDNN
 
 
 def test_unimplemented_and_unknown_algorithms_name_the_implemented_ones():

@@ -61,6 +61,21 @@ def test_silu_mul_matches_the_reference(R, I):
 
 
 @needs_kernels
+@pytest.mark.parametrize("M, K, N", [(1, 576, 1536), (1, 20, 13), (2, 64, 12), (3, 37, 9), (5, 576, 40), (16, 72, 24)])
+def test_linear_matches_the_reference(M, K, N):
+    """Every tile shape and tail: one row against 8 weight rows, pairs against 4, a lone row, K
+    and N not multiples of the vector width."""
+    torch.manual_seed(M * K + N)
+    x, w = torch.randn(M, K), torch.randn(N, K)
+    torch.testing.assert_close(decode_cpu.linear(x, w), decode_cpu.linear_reference(x, w), atol=1e-4, rtol=1e-5)
+    x[M - 1, K // 2] = float("nan")  # non-finite stays in its row
+    out = decode_cpu.linear(x, w)
+    assert out[M - 1].isnan().all() and out[: M - 1].isfinite().all()
+    with pytest.raises(ValueError, match="weight: expected shape"):
+        decode_cpu.linear(x, w[:, :-1].contiguous())
+
+
+@needs_kernels
 def test_exp_holds_over_the_float_range():
     """SiLU and softmax through the kernels' exp over its whole range: underflow to 0, overflow to
     inf (silu -> -0), and the large scores whose softmax is a near one-hot."""
