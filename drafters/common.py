@@ -4,8 +4,8 @@ the draft vocabulary, and the base of the manifest's ``drafter`` section.
 - ``small_m_linear`` / ``Linear``: at inference with a handful of rows on CPU, ``x @ Wᵀ`` takes
   ``(W @ xᵀ)ᵀ`` (``weight_major_linear``); training keeps ``F.linear``.
 - ``FrozenLinear``: the serving runner's product for a frozen target weight (oneDNN on a
-  prepacked copy; ``F.linear`` for one or two fp32 rows where ``pick_small_rows`` measured it
-  faster on this machine).
+  prepacked copy; for a few fp32 rows our own product on the weight as stored or ``F.linear``,
+  where ``pick_kernels`` measured it faster on this machine).
 - ``RMSNorm``, ``apply_rope`` (Llama's rotate-half layout, angles computed per position) and
   ``rope_table`` / ``apply_rope_table`` (the same rotation from a precomputed, sign-folded table,
   the serving runner's form).
@@ -86,8 +86,9 @@ class FrozenLinear:
     runner does this once per model). Measured on the embedded target's chain
     (docs/benchmarks.md, Round cost): on an Intel Sapphire Rapids VM ``F.linear`` 26 ms at 1-2
     rows against 32-36 ms prepacked; on an AMD EPYC (Zen 4) VM, where MKL takes a generic path,
-    ``F.linear`` 51 / 88 ms at 1 / 2 rows against 27 ms prepacked. Until picked, fp32 takes
-    ``F.linear`` for 1-2 rows.
+    ``F.linear`` 51 / 88 ms at 1 / 2 rows against 27 ms prepacked; on an AMD EPYC VM without
+    AVX-512, ``native`` 36 / 53 ms at 1 / 4 rows against 48 / 66 ms prepacked, and prepacked at 16
+    rows. Until picked, fp32 takes ``F.linear`` for 1-2 rows.
 
     Without oneDNN's prepacked kernel (a torch build without mkldnn, a non-CPU weight, or bf16 on
     a CPU without AVX-512 or AVX-NE-CONVERT, where oneDNN refuses to pack it) every M takes
