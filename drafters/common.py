@@ -113,7 +113,7 @@ class FrozenLinear:
         if kernel == "packed":
             out = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")  # [M, out]
         elif kernel == "native":
-            out = decode_cpu.linear(x, self.weight)
+            out = decode_cpu.linear(x.contiguous(), self.weight)
         else:
             out = F.linear(x, self.weight)
         return out if residual is None else out.add_(residual)
