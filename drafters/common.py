@@ -108,14 +108,16 @@ class FrozenLinear:
             return "blas"
         return next((kernel for upto, kernel in self.kernels if rows <= upto), "packed")
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        kernel = self.kernel(len(x))
+    def product(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weightᵀ`` [M, out] with ``kernel`` ("packed", "native" or "blas")."""
         if kernel == "packed":
-            out = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")  # [M, out]
-        elif kernel == "native":
-            out = decode_cpu.linear(x.contiguous(), self.weight)
-        else:
-            out = F.linear(x, self.weight)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        if kernel == "native":
+            return decode_cpu.linear(x.contiguous(), self.weight)
+        return F.linear(x, self.weight)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.product(self.kernel(len(x)), x)
         return out if residual is None else out.add_(residual)
 
 
@@ -147,17 +149,11 @@ def pick_kernels(chain: list[FrozenLinear], *, rows: tuple[int, ...] = PICK_ROWS
 
     timed = chain[:PICK_PRODUCTS] + chain[-1:] if len(chain) > PICK_PRODUCTS else chain
     native = decode_cpu.available() and all(lin.weight.is_contiguous() for lin in chain)
-    packed_run = torch.ops.mkldnn._linear_pointwise
-    runs = {
-        "blas": lambda x, lin: F.linear(x, lin.weight),
-        "packed": lambda x, lin: packed_run(x, lin.packed, None, "none", [], ""),
-        "native": lambda x, lin: decode_cpu.linear(x, lin.weight),
-    }
 
     def run(kernel: str, inputs: list[torch.Tensor]) -> float:
         begin = time.perf_counter()
         for x, lin in zip(inputs, timed):
-            runs[kernel](x, lin)
+            lin.product(kernel, x)
         return time.perf_counter() - begin
 
     picked = {}

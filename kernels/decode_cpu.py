@@ -17,8 +17,9 @@ between two products in one call each, per layer:
 The C source is compiled at first use with the machine's C compiler (``cc``, ``-O3
 -march=native -fopenmp``) into ``$SPECRAY_CACHE/kernels/`` (keyed by the source, the compiler
 and the CPU's flags) and loaded with ctypes. The exp, softmax and dot-product loops have AVX-512
-and AVX2 + FMA paths (the widest the CPU has); elsewhere plain C the compiler vectorises. Its OpenMP loops run on the libgomp torch has
-loaded, with ``torch.get_num_threads()`` threads. ``available()`` says whether the kernels
+and AVX2 + FMA paths (the widest the CPU has), the products AVX2 + FMA tiles; elsewhere plain C
+the compiler vectorises. Its OpenMP loops run on the libgomp torch has loaded, with
+``torch.get_num_threads()`` threads. ``available()`` says whether the kernels
 loaded (and ``unavailable_reason()`` why not: no compiler, a build error, a non-x86 CPU,
 or ``SPECRAY_NATIVE_KERNELS=0``); the runner then stays on its torch path, the same math.
 

@@ -38,7 +38,6 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from specray.capture.target import Target
@@ -104,14 +103,13 @@ def _products_ms(chain: list, rows: int, repeats: int, vllm_handles: list | None
     dtype = chain[0].weight.dtype
     inputs = [torch.randn(rows, lin.weight.shape[1]).to(dtype) for lin in chain]
     kernels = {
-        "F.linear": lambda: [F.linear(x, lin.weight) for x, lin in zip(inputs, chain)],
+        "F.linear": lambda: [lin.product("blas", x) for x, lin in zip(inputs, chain)],
         "runner": lambda: [lin(x) for x, lin in zip(inputs, chain)],
     }
     if all(lin.packed is not None for lin in chain):
-        kernels["prepacked"] = lambda: [torch.ops.mkldnn._linear_pointwise(x, lin.packed, None, "none", [], "")
-                                        for x, lin in zip(inputs, chain)]
+        kernels["prepacked"] = lambda: [lin.product("packed", x) for x, lin in zip(inputs, chain)]
     if decode_cpu.available() and dtype == torch.float32:
-        kernels["native"] = lambda: [decode_cpu.linear(x, lin.weight) for x, lin in zip(inputs, chain)]
+        kernels["native"] = lambda: [lin.product("native", x) for x, lin in zip(inputs, chain)]
     if vllm_handles is not None:
         from vllm import _custom_ops as ops
 

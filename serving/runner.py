@@ -22,9 +22,9 @@ builders, generation config checks). This runner is built for that regime (numbe
   at first use with the machine's C compiler): the residual add with the next RMSNorm, SiLU·up,
   and per layer RoPE + the K/V write + attention over the slot cache in place (a chain, a
   tree's mask, or a prefill's prompts packed back to back) — ``native``; otherwise (bf16, no
-  compiler, ``SPECRAY_NATIVE_KERNELS=0``) torch ops: the residual is added in place into each product's output; RoPE rotates q and k in one
-  ``addcmul`` with a sign-folded sine table (``rotate_half(x) * sin == flip_halves(x) * [-sin,
-  sin]``); grouped-query attention is two batched matmuls per layer over views of the cache (the
+  compiler, ``SPECRAY_NATIVE_KERNELS=0``) torch ops: the residual is added in place into each
+  product's output; RoPE rotates q and k in one ``addcmul`` with a sign-folded sine table
+  (``rotate_half(x) * sin == flip_halves(x) * [-sin, sin]``); grouped-query attention is two batched matmuls per layer over views of the cache (the
   ``g = H / Hkv`` query heads of one KV head share it, no repeat), scale and mask folded into
   ``baddbmm``; a prefill's, per prompt (long causal blocks);
 - everything that depends only on the forward's shape (positions, RoPE rows, the attention
