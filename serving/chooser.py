@@ -29,11 +29,17 @@ the best of several noisy estimates favours the one that was measured luckiest):
   trees: the mean accepted length per node budget, falling back to a chain model over depths).
 
 A plain step updates no acceptance, so when speculation stops paying the chooser still runs the
-best speculative size once every ``explore_every`` plain decisions to keep its estimates current
-(a drafter whose acceptance improves, a load that drops); and while it speculates it runs a
-plain step once every ``explore_every`` speculative decisions, so a plain-step estimate made
-from a few slow rounds (a batch size's first forwards build its kernels) cannot keep it
-speculating at a loss. ``max_speculative_batch`` stays an upper
+best speculative size now and then to keep its estimates current (a drafter whose acceptance
+improves, a load that drops); and while it speculates it runs a plain step now and then, so a
+plain-step estimate made from a few slow rounds (a batch size's first forwards build its
+kernels) cannot keep it speculating at a loss. The first exploration comes ``explore_every``
+decisions into a stretch of one kind. An exploration pays for what it learns: with a weak
+drafter a speculative round costs a plain step and a half and emits one token, so exploring
+every 32 decisions costs about 2 % of throughput forever. Each exploration that *confirms* the
+choice it interrupted — its measured tokens/s below what that choice predicts — doubles the gap
+to the next one, up to ``MAX_EXPLORE_GAP``× ``explore_every`` (under 0.2 % then); one that
+measures a win, or any change of the choice itself, brings the gap back to ``explore_every``.
+``max_speculative_batch`` stays an upper
 bound: a larger group takes plain steps. A chain or tree verify is padded (every request of the
 group runs ``1 + s`` rows), so one size per group is the choice per request as well.
 
@@ -74,6 +80,7 @@ SHIFT_RUN = 2  # separate rounds of a size that must agree on a changed cost bef
 SHIFT_FACTOR = 1.5  # ... each measured this much above or below what the older rounds predict
 POOL_WEIGHT = 4.0  # pseudo-rounds pulling a (batch, size) overhead toward its batch size's pooled mean
 MARGIN = 0.02  # a speculative size must predict this much more than a plain step
+MAX_EXPLORE_GAP = 16  # explorations that confirm the choice space out to this many times explore_every
 PRIOR_ACCEPT = 0.5  # position 1's conditional acceptance before any round (optimistic enough to try)
 SHRINK = 4.0  # pseudo-rounds pulling a position's estimate toward the position before it
 LAYOUTS = ("chain", "tree", "ragged")
@@ -179,7 +186,10 @@ class RoundChooser:
         # per (batch, size): its last OVERHEAD_WINDOW (round number at that batch size, residual seconds)
         self._residuals: dict[tuple[int, int], deque] = {}
         self._recorded: dict[int, int] = {}  # rounds recorded per batch size, every round size
-        self._runs = {False: 0, True: 0}  # decisions per kind (plain, speculative), for exploration
+        self._since = {False: 0, True: 0}  # decisions per kind (plain, speculative) since its last exploration
+        self._gap = {False: self.explore_every, True: self.explore_every}  # decisions of a kind between explorations
+        self._kind: bool | None = None  # the kind of the last choice that was not an exploration
+        self._exploring: tuple[int, int, float] | None = None  # (batch, size, tokens/s of the choice it interrupts)
 
     def expected_accepted(self, size: int) -> float:
         if size == 0:
@@ -230,10 +240,15 @@ class RoundChooser:
         best = max(rates, key=lambda s: (rates[s], -s))  # ties: the smaller round
         if rates[best] < rates[0] * (1 + MARGIN):
             best = 0
-        kind = best > 0  # explore the other kind once every explore_every decisions of one kind
-        self._runs[kind] += 1
-        if self._runs[kind] % self.explore_every == 0:
-            best = max(sizes, key=lambda s: (rates[s], -s)) if best == 0 else 0
+        kind = best > 0  # now and then explore the other kind (module doc)
+        if kind != self._kind:
+            self._kind, self._gap = kind, {False: self.explore_every, True: self.explore_every}
+        self._since[kind] += 1
+        self._exploring = None
+        if self._since[kind] >= self._gap[kind]:
+            self._since[kind] = 0
+            explored = max(sizes, key=lambda s: (rates[s], -s)) if best == 0 else 0
+            self._exploring, best = (batch, explored, rates[best]), explored
         return best
 
     def record(self, batch: int, size: int, seconds: float, num_drafts: list[int], accepted: list[int],
@@ -256,6 +271,12 @@ class RoundChooser:
             _drop_before_a_shift(window, self.table.seconds(batch, self.rows(batch, size)))
             self.overhead[batch, size] = (len(window), statistics.median(r for _, r in window))
         self._recorded[batch] = self._recorded.get(batch, 0) + 1
+        if self._exploring is not None and self._exploring[:2] == (batch, size):
+            interrupted, rate = size == 0, self._exploring[2]
+            confirmed = tokens < rate * max(seconds - deferred_seconds, 0.0)  # it measured a loss
+            self._gap[interrupted] = (min(2 * self._gap[interrupted], MAX_EXPLORE_GAP * self.explore_every)
+                                      if confirmed else self.explore_every)
+        self._exploring = None
         if size:
             for n, r in zip(num_drafts, accepted):
                 if self.budgets is None:

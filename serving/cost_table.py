@@ -86,6 +86,7 @@ class CostTable(BaseModel):
             for j, r in enumerate(rows):
                 grid[b, r] = max(grid[b, r], grid[b, rows[j - 1]] if j else 0.0, grid[batches[i - 1], r] if i else 0.0)
         self._grid, self._batches, self._rows = grid, batches, rows
+        self._memo: dict[tuple[int, float], float] = {}  # seconds() per (batch, rows) asked: the chooser asks each round
 
     @property
     def max_rows(self) -> int:
@@ -93,11 +94,14 @@ class CostTable(BaseModel):
 
     def seconds(self, batch: int, rows: int) -> float:
         """Predicted forward seconds of ``batch`` requests × ``rows`` rows (interpolated, never < 0)."""
+        if (batch, rows) in self._memo:
+            return self._memo[batch, rows]
         (b0, b1, wb), (r0, r1, wr) = _bracket(self._batches, batch), _bracket(self._rows, rows)
         g = self._grid
         low = g[b0, r0] + wr * (g[b0, r1] - g[b0, r0])
         high = g[b1, r0] + wr * (g[b1, r1] - g[b1, r0])
-        return max(low + wb * (high - low), 1e-6)
+        self._memo[batch, rows] = seconds = max(low + wb * (high - low), 1e-6)
+        return seconds
 
     @classmethod
     def load(cls, path: str | Path) -> CostTable:

@@ -36,22 +36,30 @@ def _export(tmp_path, target, algorithm: str, **overrides) -> str:
                             provenance={"run": "random", "target": "debug"}))
 
 
-def test_timed_alternates_order_and_takes_the_median(monkeypatch):
+def test_timed_takes_turns_per_chunk_and_takes_the_median(monkeypatch):
+    """Systems take turns per chunk (every system runs a chunk before any runs the next), the order
+    reversed every other chunk and pass; a pass's seconds sum its chunks, the result is the median pass."""
     clock, calls = [0.0], []
-    durations = {"a": [1.0, 5.0, 2.0], "b": [3.0, 3.0, 9.0]}
+    durations = {"a": [1.0, 5.0, 2.0, 0.5, 0.5, 0.5], "b": [3.0, 3.0, 9.0, 0.5, 0.5, 0.5]}
 
     def system(name):
-        def run():
-            calls.append(name)
-            clock[0] += durations[name][sum(c == name for c in calls) - 1]
-            return _Generated([[len(calls)]])
+        def run(chunk):
+            calls.append((name, chunk[0][0]))
+            clock[0] += durations[name][sum(c == name for c, _ in calls) - 1]
+            return _Generated([[len(calls)]], rounds=[1, 2] if name == "b" else None)
         return run
 
     monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
-    result = _timed({"a": system("a"), "b": system("b")}, repeats=3)
-    assert calls == ["a", "b", "b", "a", "a", "b"]
+    result = _timed({"a": system("a"), "b": system("b")}, [[[10]]], repeats=3)
+    assert calls == [("a", 10), ("b", 10), ("b", 10), ("a", 10), ("a", 10), ("b", 10)]
     assert result["a"][0] == 2.0 and result["b"][0] == 3.0
     assert result["a"][1].tokens == [[5]] and result["b"][1].tokens == [[6]]
+    assert result["a"][1].tau is None and result["b"][1].tau == 1.5
+
+    calls.clear()
+    result = _timed({"a": system("a"), "b": system("b")}, [[[10]], [[20]]], repeats=1)
+    assert calls == [("a", 10), ("b", 10), ("b", 20), ("a", 20)]
+    assert result["a"][1].tokens == [[1], [4]] and result["b"][1].rounds == [1, 2, 1, 2]
 
 
 @pytest.fixture

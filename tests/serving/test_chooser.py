@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from specray.serving.chooser import BudgetAcceptance, ChainAcceptance, RoundChooser
+from specray.serving.chooser import MAX_EXPLORE_GAP, BudgetAcceptance, ChainAcceptance, RoundChooser
 from specray.serving.cost_table import CostEntry, CostTable, CostTableError, MachineDescription, describe_machine, profile
 
 MACHINE = MachineDescription(cpu="test cpu", logical_cpus=2, threads=2, torch="2.13.0", device="cpu",
@@ -288,3 +288,47 @@ def test_a_stretch_is_counted_per_batch_size():
         chooser.record(3, 0, t.seconds(3, 1), [0] * 3, [0] * 3, 3)
         chooser.record(4, 0, 3 * t.seconds(4, 1), [0] * 4, [0] * 4, 4)
     assert chooser.overhead[4, 0][0] == 20 and chooser.overhead[4, 0][1] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_explorations_that_confirm_the_choice_space_out_and_a_win_brings_them_back():
+    """A drafter whose rounds lose: each speculative exploration measures the loss and doubles the
+    gap to the next (4, 8, 16, … up to MAX_EXPLORE_GAP × 4 decisions), so 1,000 plain decisions
+    explore about 20 times, not 250. Once the drafter's rounds win (acceptance 0.9 on free rows),
+    the next exploration measures a win and the chooser speculates again."""
+    t = table(lambda b, r: 0.02 * b * (1 + 0.3 * (r - 1)))
+    chooser = trained(RoundChooser(t, (1, 2, 3), explore_every=4), accept=0.0, rounds=50)
+    sizes = []
+    for _ in range(1000):
+        size = chooser.choose(1)
+        chooser.record(1, size, t.seconds(1, 1 + size), [size], [0], 1)
+        sizes.append(size)
+    explored = [i for i, s in enumerate(sizes) if s]
+    gaps = [b - a for a, b in zip(explored, explored[1:])]
+    assert gaps[:4] == [8, 16, 32, 64] and set(gaps[5:]) == {MAX_EXPLORE_GAP * 4}
+    assert len(explored) <= 25
+    better = []
+    for _ in range(MAX_EXPLORE_GAP * 4 + 300):  # the drafter got better: its rounds accept every draft
+        size = chooser.choose(1)
+        chooser.record(1, size, t.seconds(1, 1 + size), [size], [size], 1 + size)
+        better.append(size)
+    first = next(i for i, s in enumerate(better) if s)
+    assert first < MAX_EXPLORE_GAP * 4 and better[first + 4] > 0  # explored again 4 decisions on ...
+    assert better[-10:].count(0) <= 1  # ... and the estimate followed: it speculates, with a plain exploration now and then
+
+
+def test_an_exploration_that_measures_a_win_keeps_the_gap_short():
+    """Explorations whose rounds measure more tokens/s than the plain step predicts (a lucky
+    round of a drafter that still loses on average) leave the gap at explore_every."""
+    t = table(lambda b, r: 0.02 * b * (1 + 0.3 * (r - 1)))
+    chooser = trained(RoundChooser(t, (1, 2, 3), explore_every=4), accept=0.0, rounds=50)
+    sizes = []
+    for _ in range(40):
+        size = chooser.choose(1)
+        accepted = size  # every exploration accepts all its drafts; the shrunk estimate still says plain
+        chooser.record(1, size, t.seconds(1, 1 + size), [size], [accepted], 1 + accepted)
+        sizes.append(size)
+        if size:
+            chooser.chain.record(size, 0)  # keep the acceptance estimate low: plain stays the choice
+            chooser.chain.record(size, 0)
+    explored = [i for i, s in enumerate(sizes) if s]
+    assert [b - a for a, b in zip(explored, explored[1:])] == [4] * (len(explored) - 1) and len(explored) >= 8
