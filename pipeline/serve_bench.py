@@ -51,8 +51,9 @@ Chunk = list[list[int]]  # the prompts (token ids) one call of ``generate`` runs
 
 
 def _timed(systems: dict[str, Callable[[Chunk], _Generated]], chunks: list[Chunk],
-           repeats: int) -> dict[str, tuple[float, _Generated]]:
-    """Median seconds of each system over ``repeats`` passes over ``chunks``, and its last pass's output.
+           repeats: int) -> dict[str, tuple[float, _Generated, list[float]]]:
+    """Each system's median seconds over ``repeats`` passes over ``chunks``, its last pass's output
+    and every pass's seconds (pass ``i`` of two systems ran interleaved: their ratio is paired).
 
     Interleaved chunk by chunk: every system runs a chunk before any runs the next, in an order
     reversed every other chunk and every other pass. The load of a shared machine drifts over
@@ -72,7 +73,7 @@ def _timed(systems: dict[str, Callable[[Chunk], _Generated]], chunks: list[Chunk
         for name in names:
             times[name].append(seconds[name])
             last[name] = _Generated.joined(parts[name])
-    return {name: (statistics.median(times[name]), last[name]) for name in names}
+    return {name: (statistics.median(times[name]), last[name], times[name]) for name in names}
 
 
 def _hf_generate(model, tokenizer, prompts: list[list[int]], max_tokens: int, **extra) -> list[list[int]]:
@@ -107,10 +108,10 @@ def _hf_system(target, max_tokens: int, **extra) -> Callable[[Chunk], _Generated
     return run
 
 
-def _run_entry(system: str, batch: int, seconds: float, out: _Generated) -> dict:
+def _run_entry(system: str, batch: int, seconds: float, out: _Generated, passes: list[float]) -> dict:
     tokens = sum(len(t) for t in out.tokens)
     return {"system": system, "batch_size": batch, "tokens_per_s": tokens / seconds, "tokens": tokens,
-            "seconds": seconds, "tau": out.tau}
+            "seconds": seconds, "pass_seconds": passes, "tau": out.tau}
 
 
 def _mismatches(a: _Generated, b: _Generated) -> int:
@@ -163,8 +164,8 @@ def bench_serve(*, target_name: str, drafter_dir: str | None, dataset: str, num_
             systems["hf-prompt-lookup"] = _hf_system(target, max_tokens, prompt_lookup_num_tokens=10)
         choosers = {name: e.versions.active.chooser for name, e in engines.items() if e.versions.active.chooser}
         before = {name: c.snapshot() for name, c in choosers.items()}
-        for name, (seconds, out) in _timed(systems, chunked(batch), repeats).items():
-            runs.append(_run_entry(name, batch, seconds, out))
+        for name, (seconds, out, passes) in _timed(systems, chunked(batch), repeats).items():
+            runs.append(_run_entry(name, batch, seconds, out, passes))
             if name in choosers:  # rounds by size, the cost model's predicted vs measured tokens/s
                 runs[-1]["rounds"] = choosers[name].report(since=before[name])
             outputs[(name, batch)] = out
@@ -199,9 +200,13 @@ def bench_serve(*, target_name: str, drafter_dir: str | None, dataset: str, num_
                        "cost_table": cost_table or "measured"})
         result.update(_speculative_summary(engines, outputs, runs, batch_sizes[0], result["speedup_ar_vs_vllm_ar"], png))
         result["round_ms"] = phases
+        drafters = [r for r in runs if r["system"].startswith("specray-drafter")]
         result["speedup_vs_ar_by_batch"] = {str(b): {r["system"]: _ratio(r["tokens_per_s"], _tps(runs, "specray-ar", b))
-                                                     for r in runs if r["batch_size"] == b and r["system"].startswith("specray-drafter")}
+                                                     for r in drafters if r["batch_size"] == b}
                                             for b in batch_sizes}
+        result["speedup_vs_ar_by_pass"] = {str(b): {r["system"]: _pass_ratios(r, _run(runs, "specray-ar", b))
+                                                    for r in drafters if r["batch_size"] == b}
+                                           for b in batch_sizes}
     return result
 
 
@@ -244,8 +249,18 @@ def _round_phases(start: dict, end: dict, repeats: int, run_seconds: float) -> d
     return {**phases, "other": wall - sum(phases.values()), "wall": wall}
 
 
+def _run(runs: list[dict], system: str, batch: int) -> dict | None:
+    return next((r for r in runs if r["system"] == system and r["batch_size"] == batch), None)
+
+
 def _tps(runs: list[dict], system: str, batch: int) -> float | None:
-    return next((r["tokens_per_s"] for r in runs if r["system"] == system and r["batch_size"] == batch), None)
+    run = _run(runs, system, batch)
+    return run["tokens_per_s"] if run else None
+
+
+def _pass_ratios(run: dict, baseline: dict) -> list[float]:
+    """``run``'s tokens/s over ``baseline``'s, pass by pass (pass i of each ran interleaved in one ``_timed``)."""
+    return [(run["tokens"] / s) / (baseline["tokens"] / b) for s, b in zip(run["pass_seconds"], baseline["pass_seconds"])]
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -355,8 +370,8 @@ def _bench_vllm(model_dir: Path, encoded: list[list[int]], max_tokens: int, batc
             before, emitted = _vllm_counters(llm), []
             timed = _timed({system: _vllm_system(llm, params, eos, emitted), counterpart: ours[counterpart]},
                            chunks, repeats)
-            seconds, out = timed[system]
-            entry = _run_entry(system, batch, seconds, out)
+            entry = _run_entry(system, batch, *timed[system])
+            out = timed[system][1]
             if spec:
                 entry.update(_vllm_acceptance(before, _vllm_counters(llm), sum(emitted)))
                 out.tau = entry["tau"]
@@ -447,7 +462,9 @@ def serve_table(result: dict) -> str:
         if result["round_ms"]:
             lines.append("ms per speculative round: " + ", ".join(f"{k} {v:.1f}" for k, v in result["round_ms"].items()))
         for batch, ratios in result["speedup_vs_ar_by_batch"].items():
-            lines.append(f"batch {batch}: vs our AR " + ", ".join(f"{name} {x:.2f}x" for name, x in ratios.items()))
+            passes = result["speedup_vs_ar_by_pass"][batch]
+            lines.append(f"batch {batch}: vs our AR " + ", ".join(
+                f"{name} {x:.2f}x (passes {min(passes[name]):.2f}-{max(passes[name]):.2f})" for name, x in ratios.items()))
     vllm = result["vllm"]
     if "version" in vllm:
         lines.append(f"vLLM {vllm['version']} ({vllm['mode']}): specray AR vs vLLM AR "

@@ -197,6 +197,11 @@ def test_bench_serve_writes_json_and_plot(debug_target, random_drafter, tmp_path
     assert set(rounds["specray-drafter-k1", 2]["rounds_by_size"]) <= {"1"}  # groups of 2, then of 1 as requests end
     assert rounds["specray-drafter", 1]["predicted_tokens_per_s"] > 0 and "prediction_error" in rounds["specray-drafter", 1]
     assert set(result["speedup_vs_ar_by_batch"]["2"]) == {"specray-drafter", "specray-drafter-k1"}
+    runs = {(r["system"], r["batch_size"]): r for r in result["runs"]}
+    k1, ar = runs["specray-drafter-k1", 2], runs["specray-ar", 2]  # one pass each (--repeats 1): paired ratio = ratio
+    assert result["speedup_vs_ar_by_pass"]["2"]["specray-drafter-k1"] == pytest.approx(
+        [(k1["tokens"] / k1["pass_seconds"][0]) / (ar["tokens"] / ar["pass_seconds"][0])])
+    assert k1["pass_seconds"] == [k1["seconds"]]
     for key in ("tau", "speedup_vs_ar", "speedup_vs_hf_generate", "bound_ratio", "greedy_match"):
         assert result[key] is not None
     assert result["speedup_vs_vllm_ar"] is None and result["greedy_match"] == 1.0
