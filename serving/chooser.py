@@ -34,14 +34,15 @@ improves, a load that drops); and while it speculates it runs a plain step now a
 plain-step estimate made from a few slow rounds (a batch size's first forwards build its
 kernels) cannot keep it speculating at a loss. The first exploration comes ``explore_every``
 decisions into a stretch of one kind. An exploration pays for what it learns: with a weak
-drafter a speculative round costs a plain step and a half and emits one token, so exploring
-every 32 decisions costs about 2 % of throughput forever. Each exploration that *confirms* the
-choice it interrupted — its measured tokens/s below what that choice predicts — doubles the gap
-to the next one, up to ``MAX_EXPLORE_GAP``× ``explore_every`` (under 0.2 % then); one that
-measures a win, or any change of the choice itself, brings the gap back to ``explore_every``.
-``max_speculative_batch`` stays an upper
-bound: a larger group takes plain steps. A chain or tree verify is padded (every request of the
-group runs ``1 + s`` rows), so one size per group is the choice per request as well.
+drafter a speculative round costs 1.4–1.8 plain steps on the embedded target (the owed drafter
+rows included) and emits one token, so exploring every 32 decisions costs 1–2.5 % of
+throughput for as long as the drafter loses. Each exploration that *confirms* the choice it
+interrupted — its measured tokens/s below what that choice predicts — doubles the gap to the
+next one, up to ``MAX_EXPLORE_GAP``× ``explore_every`` (under 0.2 % then); one that measures a
+win, or any change of the choice itself, brings the gap back to ``explore_every``.
+``max_speculative_batch`` stays an upper bound: a larger group takes plain steps. A chain or
+tree verify is padded (every request of the group runs ``1 + s`` rows), so one size per group
+is the choice per request as well.
 
 A *ragged* worker (``verify_layout = "ragged"``, DSpark, seed §5.5–§5.6) verifies a different number
 of drafts per request: its size is the group's **draft budget** ``K`` (``0 … B·k``, ``k =
