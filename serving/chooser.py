@@ -32,8 +32,9 @@ A plain step updates no acceptance, so when speculation stops paying the chooser
 best speculative size now and then to keep its estimates current (a drafter whose acceptance
 improves, a load that drops); and while it speculates it runs a plain step now and then, so a
 plain-step estimate made from a few slow rounds (a batch size's first forwards build its
-kernels) cannot keep it speculating at a loss. The first exploration comes ``explore_every``
-decisions into a stretch of one kind. An exploration pays for what it learns: with a weak
+kernels) cannot keep it speculating at a loss. Explorations of a kind's stretch come
+``explore_every`` decisions of that kind apart (its count carries over from its last stretch,
+so the first may come sooner). An exploration pays for what it learns: with a weak
 drafter a speculative round costs 1.4–1.8 plain steps on the embedded target (the owed drafter
 rows included) and emits one token, so exploring every 32 decisions costs 1–2.5 % of
 throughput for as long as the drafter loses. Each exploration that *confirms* the choice it
