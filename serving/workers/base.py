@@ -95,8 +95,9 @@ class Worker(Protocol):
 
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
         """Run each prompt in its (fresh) slot and commit it in the target KV and the worker's own
-        caches; returns the last row's logits [B, V] (float32), from which the engine samples the
-        first token — the first anchor."""
+        caches — which may owe the prompt's rows (``serving/workers/deferred.py``) until the
+        slot's first round of size >= 1 runs them; returns the last row's logits [B, V]
+        (float32), from which the engine samples the first token — the first anchor."""
         ...
 
     def step(self, slots: list[int], anchors: list[int], params: list, generators: list, size: int) -> StepOutput:

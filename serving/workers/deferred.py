@@ -1,26 +1,54 @@
-"""Drafter work a plain step owes, kept per KV slot until speculation resumes.
+"""Drafter work a prefill or a plain step owes, kept per KV slot until speculation resumes.
 
-A plain step (round size 0, ``serving/workers/base.py``) commits one target row per request. The
-drafter needs that row in its own cache only if the engine speculates again: DFlash projects the
-row's captured features into context K/V, EAGLE-3 runs its draft layer on the row's fused state
-and next token. Done step by step that is a drafter pass over one row per request (weight-bound,
-about a tenth of a plain step on the embedded target), paid even when the chooser never
-speculates again. ``DeferredRows`` keeps each slot's rows instead; a worker's ``catch_up`` runs
-all of them in one batched pass before its next speculative round — or when a slot holds
-``capacity`` rows, which bounds the memory — and the drafter's cache is then the one the
-step-by-step commits build (tested against a fresh prefill).
+A prefill commits a prompt's rows in the target cache, and a plain step (round size 0,
+``serving/workers/base.py``) one row per request. The drafter needs those rows in its own cache
+only if the engine speculates: DFlash projects each row's captured features into context K/V,
+EAGLE-3 runs its draft layer on the row's fused state and next token. Done eagerly that is a
+drafter pass over every prompt row and one row per request per step (weight-bound, about a
+tenth of a plain step on the embedded target), paid even when the chooser never speculates.
+``DeferredRows`` keeps them instead — a slot's prompt rows, then the rows its plain steps
+pushed — and a worker's ``catch_up`` runs them in batched passes before its next speculative
+round, or when a slot holds ``capacity`` pushed rows, which bounds that memory. The drafter's
+cache is then the one eager commits build (tested against a fresh prefill and a catch-up).
+
+Memory: a prompt's rows stay as captured features (the drafter's input width per token, e.g.
+5 layers × 576 fp32 = 11.5 KB per token on the embedded target) until the slot's first round or
+its release; pushed rows are bounded by ``capacity`` per slot.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import NamedTuple
 
-DEFERRED_ROWS = 64  # rows a slot may owe before the worker catches up (a few MB at 16 slots)
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+DEFERRED_ROWS = 64  # pushed rows a slot may owe before the worker catches up (a few MB at 16 slots)
+
+
+class Owed(NamedTuple):
+    """Rows owed by ``slots`` (each holds some), in the order they follow the slot's committed rows.
+
+    ``values`` [n, T, W] and ``tokens`` [n, T] are padded to the longest ``rows[b]``; padding rows
+    hold stale values: only each slot's first ``rows[b]`` are real."""
+
+    slots: list[int]
+    values: torch.Tensor
+    tokens: torch.Tensor
+    rows: list[int]
+
+
+def prompt_features(hidden: dict[int, torch.Tensor], layer_ids, lengths: list[int]) -> list[torch.Tensor]:
+    """A batched prefill's captured layers (each [B, T_max, D], right-padded) -> each prompt's
+    features [n_b, L·D], unpadded (copies: they outlive the prefill's tensors)."""
+    layers = [hidden[i] for i in layer_ids]
+    return [torch.cat([h[b, :n] for h in layers], dim=-1) for b, n in enumerate(lengths)]
 
 
 class DeferredRows:
-    """Per slot, up to ``capacity`` rows of ``width`` values (a row's captured target features)
-    and, per row, the token that follows it (for drafters whose row reads the next token)."""
+    """Per slot, its prompt's rows (any number, owed first) and up to ``capacity`` pushed rows of
+    ``width`` values (a row's captured target features) and, per row, the token that follows it
+    (for drafters whose row reads the next token)."""
 
     def __init__(self, *, num_slots: int, width: int, dtype: torch.dtype, capacity: int = DEFERRED_ROWS):
         if capacity < 1:
@@ -28,10 +56,19 @@ class DeferredRows:
         self.capacity = capacity
         self.values = torch.zeros(num_slots, capacity, width, dtype=dtype)  # [slots, cap, W]
         self.tokens = torch.zeros(num_slots, capacity, dtype=torch.long)  # [slots, cap]
-        self.count = torch.zeros(num_slots, dtype=torch.long)  # [slots] rows held
+        self.count = torch.zeros(num_slots, dtype=torch.long)  # [slots] pushed rows held
+        self.prompts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> (values [n, W], tokens [n])
+
+    def owe_prompt(self, slot: int, values: torch.Tensor, tokens: torch.Tensor | None = None) -> None:
+        """A fresh slot's first rows: ``values`` [n, W] (kept as given: pass a tensor nothing else
+        writes), ``tokens`` [n] (or None). Forgets whatever the slot held before."""
+        self.release(slot)
+        if values.shape[0]:
+            tokens = torch.zeros(values.shape[0], dtype=torch.long) if tokens is None else tokens
+            self.prompts[slot] = (values.to(self.values.dtype), tokens)
 
     def full(self, slots: list[int]) -> bool:
-        """Whether some slot of ``slots`` holds ``capacity`` rows (it must catch up before a push)."""
+        """Whether some slot of ``slots`` holds ``capacity`` pushed rows (it must catch up before a push)."""
         return bool((self.count[torch.tensor(slots)] >= self.capacity).any())
 
     def push(self, slots: list[int], values: torch.Tensor, tokens: torch.Tensor | None = None) -> None:
@@ -45,19 +82,25 @@ class DeferredRows:
             self.tokens[slot_t, at] = tokens
         self.count[slot_t] += 1
 
-    def take(self, slots: list[int]) -> tuple[list[int], torch.Tensor, torch.Tensor, list[int]]:
-        """Remove the rows of ``slots`` that hold any: (those slots, values [n, T, W], tokens
-        [n, T], rows per slot), padded to the longest T (padding rows hold stale values: only each slot's
-        first rows are real)."""
+    def take(self, slots: list[int]) -> list[Owed]:
+        """Remove every row ``slots`` owe; returns the batches to run, in order: the prompts owed
+        (a slot's first rows), then the pushed rows. Slots that owe nothing are in neither."""
+        batches = []
+        prompts = [s for s in slots if s in self.prompts]
+        if prompts:
+            values, tokens = zip(*(self.prompts.pop(s) for s in prompts))
+            batches.append(Owed(prompts, pad_sequence(list(values), batch_first=True),
+                                pad_sequence(list(tokens), batch_first=True), [len(v) for v in values]))
         held = [s for s in slots if int(self.count[s])]
-        if not held:
-            return [], self.values[:0, :0], self.tokens[:0, :0], []
-        slot_t = torch.tensor(held)
-        counts = self.count[slot_t]
-        T = int(counts.max())
-        values, tokens = self.values[slot_t, :T].clone(), self.tokens[slot_t, :T].clone()
-        self.count[slot_t] = 0
-        return held, values, tokens, counts.tolist()
+        if held:
+            slot_t = torch.tensor(held)
+            counts = self.count[slot_t]
+            T = int(counts.max())
+            batches.append(Owed(held, self.values[slot_t, :T].clone(), self.tokens[slot_t, :T].clone(),
+                                counts.tolist()))
+            self.count[slot_t] = 0
+        return batches
 
     def release(self, slot: int) -> None:
         self.count[slot] = 0
+        self.prompts.pop(slot, None)

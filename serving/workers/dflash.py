@@ -1,9 +1,10 @@
 """DFlash speculative worker (seed §4.4, §8.1): propose a block, verify it in one target
 forward, accept, commit — one round per call of ``step``.
 
-State per request: ``n`` committed rows in both the target cache and the drafter's context
-cache (the projected target hidden of those rows, as K/V per draft layer), and the anchor ``a``
-(the last emitted token, which has no KV yet, at position ``n``).
+State per request at the start of a round: ``n`` committed rows in both the target cache and
+the drafter's context cache (the projected target hidden of those rows, as K/V per draft layer;
+rows a prefill or a plain step committed are owed until the round's ``catch_up``), and the
+anchor ``a`` (the last emitted token, which has no KV yet, at position ``n``).
 
     propose  block [a, MASK × m] at positions n … n+m over context rows < n  -> d1 … dk (q), k ≤ m
     verify   target forward on [a, d1 … dk]                                  -> k+1 rows of p
@@ -27,7 +28,7 @@ from specray.serving.sampling import process
 from specray.serving.verify import accept_chains
 from specray.serving.workers.ar import ar_step, prefill_target
 from specray.serving.workers.base import StepOutput
-from specray.serving.workers.deferred import DeferredRows
+from specray.serving.workers.deferred import DeferredRows, prompt_features
 
 
 class DFlashWorker:
@@ -42,9 +43,10 @@ class DFlashWorker:
 
     A round of size 0 is a *plain* step — no draft, one target row per request (the anchor), the
     next token sampled from it exactly as the AR worker does. The target cache commits that row;
-    the drafter's context owes it (``serving/workers/deferred.py``) until ``catch_up`` projects
-    every owed row in one batch, which the next round of size >= 1 does first: speculation
-    resumes on the context step-by-step commits would have built.
+    the drafter's context owes it (``serving/workers/deferred.py``), as it owes a prompt's rows
+    after ``prefill``, until ``catch_up`` projects every owed row in batched passes, which the
+    next round of size >= 1 does first: speculation resumes on the context eager commits would
+    have built, and a request the chooser never speculates for costs no drafter work.
     """
 
     verify_layout = "chain"
@@ -97,19 +99,20 @@ class DFlashWorker:
             self.context.commit(slot, r)
 
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
-        """Run the prompts, commit them in both caches; returns last-row logits [B, V]."""
+        """Run the prompts and commit them in the target cache; the drafter's context owes their
+        rows until ``catch_up``. Returns last-row logits [B, V]."""
         logits, out = prefill_target(self.runner, slots, prompts)
-        for slot in slots:
-            self.deferred.release(slot)
-        self._commit_context(slots, self._features(out.hidden), [len(p) for p in prompts])
+        features = prompt_features(out.hidden, self.cfg.target_layer_ids, [len(p) for p in prompts])
+        for slot, rows in zip(slots, features):
+            self.deferred.owe_prompt(slot, rows)
         return logits
 
     def catch_up(self, slots: list[int]) -> float:
-        """Project every context row ``slots`` owe from plain steps, in one batch; returns its seconds."""
+        """Project every context row ``slots`` owe (their prompts', then plain steps'), a batch
+        each; returns its seconds."""
         start = time.perf_counter()
-        held, feats, _, rows = self.deferred.take(slots)
-        if held:
-            self._commit_context(held, feats, rows)
+        for owed in self.deferred.take(slots):
+            self._commit_context(owed.slots, owed.values, owed.rows)
         return time.perf_counter() - start
 
     def block_hidden(self, slots: list[int], anchors: list[int], rows: slice) -> torch.Tensor:

@@ -4,9 +4,9 @@ of the accepted rows ("draft extend").
 
 Drafter rows (``drafters/eagle3.py``): row ``i`` pairs the target state ``g_i`` (the fused
 features of target row ``i``) with the *next* token ``x_{i+1}`` at position ``i + 1``; its output
-state predicts ``x_{i+2}``. Per request the drafter's KV cache holds the rows whose next token is
-known, and ``state`` is the output of its last one. After ``prefill`` of ``n`` prompt tokens that
-is rows ``0 … n−2``: row ``n−1`` waits for the first anchor, which the engine samples from the
+state predicts ``x_{i+2}``. Per request the drafter's rows are those whose next token is known —
+in its KV cache, or owed until ``catch_up`` (below) — and ``state`` is the output of its last one.
+After ``prefill`` of ``n`` prompt tokens that is rows ``0 … n−2`` (owed): row ``n−1`` waits for the first anchor, which the engine samples from the
 prefill's logits, so its target state is kept as ``pending`` until the first ``step``.
 
 A round for a request whose target cache holds ``n`` rows, anchor ``a = x_n`` (no KV yet), drafter
@@ -23,8 +23,8 @@ After the round the drafter's cache and state are exactly those a fresh prefill 
 text followed by its first anchor gives (tested): the chain's self-fed rows are scratch, never
 committed, and every committed row was computed from target-confirmed features and tokens.
 
-The drafter rows a plain step (or the first anchor) makes known — a target row's features and
-the token after it — are owed (``serving/workers/deferred.py``) until ``catch_up`` runs them in
+The drafter rows a prefill, a plain step or the first anchor makes known — a target row's
+features and the token after it — are owed (``serving/workers/deferred.py``) until ``catch_up`` runs them in
 one batch, which a round of size >= 1 does before it drafts.
 """
 
@@ -41,7 +41,7 @@ from specray.serving.sampling import process
 from specray.serving.verify import accept_chains
 from specray.serving.workers.ar import ar_step, prefill_target
 from specray.serving.workers.base import StepOutput
-from specray.serving.workers.deferred import DeferredRows
+from specray.serving.workers.deferred import DeferredRows, prompt_features
 
 DEFAULT_NUM_DRAFTS = 3  # k when the engine does not set num_speculative_tokens
 
@@ -156,29 +156,27 @@ class Eagle3Worker:
         return owed
 
     def catch_up(self, slots: list[int]) -> float:
-        """Run every drafter row ``slots`` owe, in one batch; returns its seconds."""
+        """Run every drafter row ``slots`` owe (their prompts', then plain steps'), a batch each;
+        returns its seconds."""
         start = time.perf_counter()
-        held, feats, tokens, rows = self.deferred.take(slots)
-        if held:
+        for owed in self.deferred.take(slots):
             with torch.inference_mode():
-                self._extend(held, self.drafter.fuse(feats), tokens, rows)
+                self._extend(owed.slots, self.drafter.fuse(owed.values), owed.tokens, owed.rows)
         return time.perf_counter() - start
 
     # -- the protocol ---------------------------------------------------------------------
 
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
-        """Run the prompts in the target, commit them; the drafter commits rows 0 … n−2 and keeps
-        g_{n−1} pending. Returns the last rows' logits [B, V]."""
+        """Run the prompts in the target and commit them; the drafter owes rows 0 … n−2 (each
+        prompt row's features with the next prompt token) until ``catch_up``, and keeps g_{n−1}
+        pending. Returns the last rows' logits [B, V]."""
         logits, out = prefill_target(self.runner, slots, prompts)
-        ids, lengths = pad_rows(prompts)
-        feats = self._features(out.hidden)  # [B, T, L·D]
-        for slot in slots:
+        features = prompt_features(out.hidden, self.cfg.target_layer_ids, [len(p) for p in prompts])
+        for slot, prompt, rows in zip(slots, prompts, features):
             self.release(slot)
-        with torch.inference_mode():
-            self._extend(slots, self.drafter.fuse(feats[:, :-1]), ids[:, 1:], (lengths - 1).tolist())
-        slot_t = torch.tensor(slots)
-        self.pending[slot_t] = feats[torch.arange(len(slots)), lengths - 1].to(self.pending.dtype)
-        self.has_pending[slot_t] = True
+            self.deferred.owe_prompt(slot, rows[:-1], torch.tensor(prompt[1:], dtype=torch.long))
+            self.pending[slot] = rows[-1]
+            self.has_pending[slot] = True
         return logits
 
     @torch.inference_mode()

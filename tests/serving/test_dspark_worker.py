@@ -57,6 +57,7 @@ def test_sampled_drafts_come_from_the_corrected_q_handed_to_verification(debug_t
     drafter = _drafter(debug_target, vocab, head)
     worker = _worker(debug_target, drafter)
     worker.prefill([0, 1], [_encode(debug_target, "Hi"), _encode(debug_target, "1 2 3")])
+    worker.catch_up([0, 1])
     seen = []
     original = drafter.draft
     monkeypatch.setattr(drafter, "draft", lambda hidden, anchors, pick: seen.append((hidden, anchors))

@@ -237,6 +237,7 @@ def test_draft_vocabulary_drafter_is_lossless_and_proposes_only_its_tokens(debug
     worker = engine.worker  # propose directly: the q handed to verification is over the target's vocabulary
     prompts = [engine.encode(p) for p in PROMPTS[:2]]
     worker.prefill([0, 1], prompts)
+    worker.catch_up([0, 1])
     params = [SamplingParams(temperature=1.0), SamplingParams()]
     generators = [torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)]
     drafts, qs = worker.propose([0, 1], [5, 7], params, generators, 3)
@@ -270,11 +271,15 @@ def test_max_speculative_batch_takes_plain_steps_above_it_and_stays_lossless(deb
 
 
 def test_plain_steps_owe_the_drafter_context_and_catch_up_to_a_prefills(debug_target, random_drafter):
-    """Plain steps leave the drafter's context rows owed; after ``catch_up`` (what the next round
-    runs first) the context equals the one a prefill of the same prefix builds."""
+    """A prefill and plain steps leave the drafter's context rows owed (no drafter work); after
+    ``catch_up`` (what the next round runs first) the context equals the one a prefill of the
+    same prefix and a catch-up build, and the one built eagerly from the target's features."""
     engine = Engine(debug_target, str(random_drafter), max_batch=1, max_len=512, max_speculative_batch=0)
     worker = engine.worker
     prompt = engine.encode(PROMPTS[1])
+    calls = []
+    project = worker.drafter.project_context
+    worker.drafter.project_context = lambda feats: calls.append(feats.shape) or project(feats)
     first = int(worker.prefill([0], [prompt])[0].argmax())
     tokens = [first]
     for _ in range(5):
@@ -282,13 +287,22 @@ def test_plain_steps_owe_the_drafter_context_and_catch_up_to_a_prefills(debug_ta
         assert not out.speculative and out.num_drafts == [0] and len(out.tokens[0]) == 1
         tokens += out.tokens[0]
     n = len(prompt) + 5  # the last token is the anchor: no KV yet
-    assert int(worker.context.committed[0]) == len(prompt) and int(engine.runner.cache.committed[0]) == n
+    assert int(worker.context.committed[0]) == 0 and int(engine.runner.cache.committed[0]) == n and calls == []
     assert worker.catch_up([0]) > 0 and int(worker.context.committed[0]) == n
+    assert [shape[1] for shape in calls] == [len(prompt), 5]  # the prompt's rows, then the plain steps'
     fresh = Engine(debug_target, str(random_drafter), max_batch=1, max_len=512).worker
     fresh.prefill([0], [prompt + tokens[:5]])
+    fresh.catch_up([0])
+    text = torch.tensor([prompt + tokens[:5]])
+    with torch.no_grad():  # eagerly: the target's captured layers over the text, projected at once
+        hidden = debug_target.model(text, output_hidden_states=True).hidden_states
+        feats = torch.cat([hidden[i + 1] for i in worker.cfg.target_layer_ids], dim=-1)
+        eager = worker.drafter.context_kv(project(feats), torch.arange(n)[None])
     for layer in range(len(worker.context.k)):
-        torch.testing.assert_close(worker.context.k[layer, 0, :, :n], fresh.context.k[layer, 0, :, :n], rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(worker.context.v[layer, 0, :, :n], fresh.context.v[layer, 0, :, :n], rtol=1e-4, atol=1e-5)
+        for cache, expected in ((worker.context.k, fresh.context.k[layer, 0, :, :n]), (worker.context.v, fresh.context.v[layer, 0, :, :n])):
+            torch.testing.assert_close(cache[layer, 0, :, :n], expected, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(worker.context.k[layer, 0, :, :n], eager[layer][0][0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(worker.context.v[layer, 0, :, :n], eager[layer][1][0], rtol=1e-4, atol=1e-4)
 
 
 def test_dflash_plain_steps_past_the_capacity_catch_up_and_end_on_a_prefills_context(debug_target, random_drafter):
@@ -305,6 +319,7 @@ def test_dflash_plain_steps_past_the_capacity_catch_up_and_end_on_a_prefills_con
     assert int(worker.context.committed[0]) == n and int(worker.deferred.count[0]) == 0
     fresh = Engine(debug_target, str(random_drafter), max_batch=1, max_len=512).worker
     fresh.prefill([0], [prompt + tokens[:n - len(prompt)]])
+    fresh.catch_up([0])
     for layer in range(len(worker.context.k)):
         torch.testing.assert_close(worker.context.k[layer, 0, :, :n], fresh.context.k[layer, 0, :, :n], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(worker.context.v[layer, 0, :, :n], fresh.context.v[layer, 0, :, :n], rtol=1e-4, atol=1e-5)
