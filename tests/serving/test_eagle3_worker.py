@@ -178,6 +178,28 @@ def test_plain_steps_keep_the_drafter_state_and_stay_lossless(debug_target):
         _assert_drafter_state_equals_a_fresh_prefill(debug_target, drafter, worker, prompts.index(prompt), prompt + got)
 
 
+def test_a_prefill_owes_the_prompt_rows_and_runs_no_draft_layer(debug_target, monkeypatch):
+    """The drafter's rows 0 … n−2 of a prompt wait in ``deferred`` (no draft layer runs at the
+    prefill); the round's catch-up runs them first, and the state is then a fresh prefill's."""
+    drafter = _drafter(debug_target)
+    worker = _worker(debug_target, drafter, k=2, slots=2)
+    prompts = [_encode(debug_target, p) for p in PROMPTS[:2]]
+    calls = []
+    forward = drafter.forward_cached
+    monkeypatch.setattr(drafter, "forward_cached", lambda state, *a: calls.append(state.shape[1]) or forward(state, *a))
+    logits = worker.prefill([0, 1], prompts)
+    assert calls == [] and worker.cache.committed[:2].tolist() == [0, 0]
+    assert {slot: len(values) for slot, (values, _) in worker.deferred.prompts.items()} == {0: len(prompts[0]) - 1,
+                                                                                          1: len(prompts[1]) - 1}
+    anchors = logits.argmax(-1).tolist()
+    out = worker.step([0, 1], anchors, [SamplingParams()] * 2, [None, None], 1)
+    assert calls[:2] == [max(len(p) for p in prompts) - 1, 1]  # the prompts' rows, then the anchors' pushed rows
+    assert worker.deferred.prompts == {}
+    for b, prompt in enumerate(prompts):
+        text = prompt + [anchors[b]] + out.tokens[b]
+        _assert_drafter_state_equals_a_fresh_prefill(debug_target, drafter, worker, b, text)
+
+
 def test_sampled_drafts_come_from_the_q_handed_to_verification(debug_target):
     vocab = torch.arange(0, debug_target.vocab_size, 3)
     worker = _worker(debug_target, _drafter(debug_target, vocab), k=3, slots=2)
