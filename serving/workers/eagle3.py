@@ -6,8 +6,9 @@ Drafter rows (``drafters/eagle3.py``): row ``i`` pairs the target state ``g_i`` 
 features of target row ``i``) with the *next* token ``x_{i+1}`` at position ``i + 1``; its output
 state predicts ``x_{i+2}``. Per request the drafter's rows are those whose next token is known —
 in its KV cache, or owed until ``catch_up`` (below) — and ``state`` is the output of its last one.
-After ``prefill`` of ``n`` prompt tokens that is rows ``0 … n−2`` (owed): row ``n−1`` waits for the first anchor, which the engine samples from the
-prefill's logits, so its target state is kept as ``pending`` until the first ``step``.
+After ``prefill`` of ``n`` prompt tokens that is rows ``0 … n−2`` (owed): row ``n−1`` waits for
+the first anchor, which the engine samples from the prefill's logits, so its target state is
+kept as ``pending`` until the first ``step``.
 
 A round for a request whose target cache holds ``n`` rows, anchor ``a = x_n`` (no KV yet), drafter
 rows ``0 … n−1`` (the last one paired ``g_{n−1}`` with ``a``):
@@ -24,8 +25,8 @@ text followed by its first anchor gives (tested): the chain's self-fed rows are 
 committed, and every committed row was computed from target-confirmed features and tokens.
 
 The drafter rows a prefill, a plain step or the first anchor makes known — a target row's
-features and the token after it — are owed (``serving/workers/deferred.py``) until ``catch_up`` runs them in
-one batch, which a round of size >= 1 does before it drafts.
+features and the token after it — are owed (``serving/workers/deferred.py``) until ``catch_up``
+runs them in batched passes, which a round of size >= 1 does before it drafts.
 """
 
 from __future__ import annotations

@@ -299,8 +299,8 @@ def test_plain_steps_owe_the_drafter_context_and_catch_up_to_a_prefills(debug_ta
         feats = torch.cat([hidden[i + 1] for i in worker.cfg.target_layer_ids], dim=-1)
         eager = worker.drafter.context_kv(project(feats), torch.arange(n)[None])
     for layer in range(len(worker.context.k)):
-        for cache, expected in ((worker.context.k, fresh.context.k[layer, 0, :, :n]), (worker.context.v, fresh.context.v[layer, 0, :, :n])):
-            torch.testing.assert_close(cache[layer, 0, :, :n], expected, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(worker.context.k[layer, 0, :, :n], fresh.context.k[layer, 0, :, :n], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(worker.context.v[layer, 0, :, :n], fresh.context.v[layer, 0, :, :n], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(worker.context.k[layer, 0, :, :n], eager[layer][0][0], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(worker.context.v[layer, 0, :, :n], eager[layer][1][0], rtol=1e-4, atol=1e-4)
 
