@@ -16,6 +16,7 @@ import gc
 import importlib.util
 import json
 import os
+import random
 import statistics
 import tempfile
 import time
@@ -51,9 +52,10 @@ Chunk = list[list[int]]  # the prompts (token ids) one call of ``generate`` runs
 
 
 def _timed(systems: dict[str, Callable[[Chunk], _Generated]], chunks: list[Chunk],
-           repeats: int) -> dict[str, tuple[float, _Generated, list[float]]]:
-    """Each system's median seconds over ``repeats`` passes over ``chunks``, its last pass's output
-    and every pass's seconds (pass ``i`` of two systems ran interleaved: their ratio is paired).
+           repeats: int) -> dict[str, tuple[float, _Generated, list[float], list[list[float]]]]:
+    """Each system's median seconds over ``repeats`` passes over ``chunks``, its last pass's output,
+    every pass's seconds and every chunk's seconds per pass (pass ``i`` of two systems ran
+    interleaved, chunk by chunk: their ratio is paired, and so is each chunk's).
 
     Interleaved chunk by chunk: every system runs a chunk before any runs the next, in an order
     reversed every other chunk and every other pass. The load of a shared machine drifts over
@@ -62,18 +64,20 @@ def _timed(systems: dict[str, Callable[[Chunk], _Generated]], chunks: list[Chunk
     the ratios are read for)."""
     names = list(systems)
     times: dict[str, list[float]] = {name: [] for name in names}
+    chunk_times: dict[str, list[list[float]]] = {name: [] for name in names}
     last: dict[str, _Generated] = {}
     for r in range(repeats):
-        seconds, parts = dict.fromkeys(names, 0.0), {name: [] for name in names}
+        seconds, parts = {name: [] for name in names}, {name: [] for name in names}
         for c, chunk in enumerate(chunks):
             for name in names if (r + c) % 2 == 0 else names[::-1]:
                 start = time.perf_counter()
                 parts[name].append(systems[name](chunk))
-                seconds[name] += time.perf_counter() - start
+                seconds[name].append(time.perf_counter() - start)
         for name in names:
-            times[name].append(seconds[name])
+            times[name].append(sum(seconds[name]))
+            chunk_times[name].append(seconds[name])
             last[name] = _Generated.joined(parts[name])
-    return {name: (statistics.median(times[name]), last[name], times[name]) for name in names}
+    return {name: (statistics.median(times[name]), last[name], times[name], chunk_times[name]) for name in names}
 
 
 def _hf_generate(model, tokenizer, prompts: list[list[int]], max_tokens: int, **extra) -> list[list[int]]:
@@ -108,10 +112,11 @@ def _hf_system(target, max_tokens: int, **extra) -> Callable[[Chunk], _Generated
     return run
 
 
-def _run_entry(system: str, batch: int, seconds: float, out: _Generated, passes: list[float]) -> dict:
+def _run_entry(system: str, batch: int, seconds: float, out: _Generated, passes: list[float],
+               chunks: list[list[float]]) -> dict:
     tokens = sum(len(t) for t in out.tokens)
     return {"system": system, "batch_size": batch, "tokens_per_s": tokens / seconds, "tokens": tokens,
-            "seconds": seconds, "pass_seconds": passes, "tau": out.tau}
+            "seconds": seconds, "pass_seconds": passes, "chunk_seconds": chunks, "tau": out.tau}
 
 
 def _mismatches(a: _Generated, b: _Generated) -> int:
@@ -164,11 +169,11 @@ def bench_serve(*, target_name: str, drafter_dir: str | None, dataset: str, num_
             systems["hf-prompt-lookup"] = _hf_system(target, max_tokens, prompt_lookup_num_tokens=10)
         choosers = {name: e.versions.active.chooser for name, e in engines.items() if e.versions.active.chooser}
         before = {name: c.snapshot() for name, c in choosers.items()}
-        for name, (seconds, out, passes) in _timed(systems, chunked(batch), repeats).items():
-            runs.append(_run_entry(name, batch, seconds, out, passes))
+        for name, timed in _timed(systems, chunked(batch), repeats).items():
+            runs.append(_run_entry(name, batch, *timed))
             if name in choosers:  # rounds by size, the cost model's predicted vs measured tokens/s
                 runs[-1]["rounds"] = choosers[name].report(since=before[name])
-            outputs[(name, batch)] = out
+            outputs[(name, batch)] = timed[1]
         if drafter_dir and batch == batch_sizes[0]:
             run = next(r for r in runs if (r["system"], r["batch_size"]) == ("specray-drafter", batch))
             phases = _round_phases(timing_start, engines["specray-drafter"].worker.stats(), repeats, run["seconds"])
@@ -207,6 +212,9 @@ def bench_serve(*, target_name: str, drafter_dir: str | None, dataset: str, num_
         result["speedup_vs_ar_by_pass"] = {str(b): {r["system"]: _pass_ratios(r, _run(runs, "specray-ar", b))
                                                     for r in drafters if r["batch_size"] == b}
                                            for b in batch_sizes}
+        result["speedup_vs_ar_paired"] = {str(b): {r["system"]: _paired_ratio(r, _run(runs, "specray-ar", b))
+                                                   for r in drafters if r["batch_size"] == b}
+                                          for b in batch_sizes}
     return result
 
 
@@ -261,6 +269,25 @@ def _tps(runs: list[dict], system: str, batch: int) -> float | None:
 def _pass_ratios(run: dict, baseline: dict) -> list[float]:
     """``run``'s tokens/s over ``baseline``'s, pass by pass (pass i of each ran interleaved in one ``_timed``)."""
     return [(run["tokens"] / s) / (baseline["tokens"] / b) for s, b in zip(run["pass_seconds"], baseline["pass_seconds"])]
+
+
+def _paired_ratio(run: dict, baseline: dict, resamples: int = 2000) -> dict:
+    """``run``'s tokens/s over ``baseline``'s from every chunk the two ran back to back, all passes
+    pooled: the ratio of their summed seconds (each pass's tokens are the same: greedy, same
+    prompts), with a 95 % bootstrap interval over those chunk pairs (seeded: the same timings give
+    the same interval). Pairs that ran seconds apart share the machine's load; the median pass
+    ratio pairs whole passes, and the ratio of medians pairs nothing."""
+    pairs = [(b, s) for b_pass, s_pass in zip(baseline["chunk_seconds"], run["chunk_seconds"])
+             for b, s in zip(b_pass, s_pass, strict=True)]
+    scale = run["tokens"] / baseline["tokens"]
+
+    def ratio(sample: list[tuple[float, float]]) -> float:
+        return scale * sum(b for b, _ in sample) / sum(s for _, s in sample)
+
+    rng = random.Random(0)
+    boots = sorted(ratio([pairs[rng.randrange(len(pairs))] for _ in pairs]) for _ in range(resamples))
+    return {"ratio": ratio(pairs), "ci95": [boots[int(0.025 * resamples)], boots[int(0.975 * resamples) - 1]],
+            "pairs": len(pairs)}
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -462,9 +489,11 @@ def serve_table(result: dict) -> str:
         if result["round_ms"]:
             lines.append("ms per speculative round: " + ", ".join(f"{k} {v:.1f}" for k, v in result["round_ms"].items()))
         for batch, ratios in result["speedup_vs_ar_by_batch"].items():
-            passes = result["speedup_vs_ar_by_pass"][batch]
+            passes, paired = result["speedup_vs_ar_by_pass"][batch], result["speedup_vs_ar_paired"][batch]
             lines.append(f"batch {batch}: vs our AR " + ", ".join(
-                f"{name} {x:.2f}x (passes {min(passes[name]):.2f}-{max(passes[name]):.2f})" for name, x in ratios.items()))
+                f"{name} {x:.2f}x (passes {min(passes[name]):.2f}-{max(passes[name]):.2f}; paired "
+                f"{paired[name]['ratio']:.3f}x, 95% CI {paired[name]['ci95'][0]:.3f}-{paired[name]['ci95'][1]:.3f} "
+                f"over {paired[name]['pairs']} chunks)" for name, x in ratios.items()))
     vllm = result["vllm"]
     if "version" in vllm:
         lines.append(f"vLLM {vllm['version']} ({vllm['mode']}): specray AR vs vLLM AR "

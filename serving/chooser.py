@@ -111,11 +111,15 @@ class ChainAcceptance:
 
     def expected(self, size: int) -> float:
         """Expected accepted drafts of a chain of ``size``: sum over i <= size of P(first i accepted)."""
-        total, survive = 0.0, 1.0
-        for alpha in self.alphas()[:size]:
+        return self.cumulative()[min(size, len(self.tried))]
+
+    def cumulative(self) -> list[float]:
+        """``expected(size)`` for every size ``0 … max_positions``."""
+        totals, survive = [0.0], 1.0
+        for alpha in self.alphas():
             survive *= alpha
-            total += survive
-        return total
+            totals.append(totals[-1] + survive)
+        return totals
 
 
 class BudgetAcceptance:
@@ -192,6 +196,10 @@ class RoundChooser:
         self._gap = {False: self.explore_every, True: self.explore_every}  # decisions of a kind between explorations
         self._kind: bool | None = None  # the kind of the last choice that was not an exploration
         self._exploring: tuple[int, int, float] | None = None  # (batch, size, tokens/s of the choice it interrupts)
+        self._predicted: tuple[int, dict[int, tuple[float, float]]] | None = None  # the last decision's (batch, predictions)
+        # per batch size, the speculative sizes' predictions: only a speculative round's record changes them
+        # (acceptance, their overheads), so a stretch of plain steps predicts only the plain step
+        self._speculative: dict[int, dict[int, tuple[float, float]]] = {}
 
     def expected_accepted(self, size: int) -> float:
         if size == 0:
@@ -200,10 +208,21 @@ class RoundChooser:
 
     def predict(self, batch: int, size: int) -> tuple[float, float]:
         """(tokens, seconds) a round of ``size`` over ``batch`` requests is predicted to give."""
-        seconds = self.table.seconds(batch, self.rows(batch, size)) + self._overhead(batch, size)
+        return self._predictions(batch, (size,))[size]
+
+    def _predictions(self, batch: int, sizes: tuple[int, ...]) -> dict[int, tuple[float, float]]:
+        """``predict`` for each of ``sizes``, sharing the work they have in common (every decision
+        runs this for every size)."""
+        overheads = self._overheads(batch, sizes)
         if self.layout == "ragged":
-            return batch + self.budget_accepted(batch, size), seconds
-        return batch * (1 + self.expected_accepted(size)), seconds
+            curve = self._budget_curve(batch)
+            accepted = {s: curve[min(s, len(curve) - 1)] for s in sizes}
+        elif self.budgets is None:
+            accepted = dict(zip(range(self.depth + 1), self.chain.cumulative()))
+            accepted = {s: batch * accepted[min(s, self.depth)] for s in sizes}
+        else:
+            accepted = {s: batch * self.expected_accepted(s) for s in sizes}
+        return {s: (batch + accepted[s], self.table.seconds(batch, self.rows(batch, s)) + overheads[s]) for s in sizes}
 
     def rows(self, batch: int, size: int) -> float:
         """Target rows per request of a round of ``size`` (the cost table's axis): ``1 + size``,
@@ -214,15 +233,24 @@ class RoundChooser:
         """Expected accepted drafts of a ragged round: the ``budget`` largest predicted survivals of
         the group — the worker's published ones when it has them for ``batch`` requests, else
         ``batch`` copies of the measured ``[A_1 … A_k]`` (non-increasing, so position by position)."""
+        curve = self._budget_curve(batch)
+        return curve[min(budget, len(curve) - 1)]
+
+    def _budget_curve(self, batch: int) -> list[float]:
+        """``budget_accepted(batch, K)`` for every ``K`` in ``0 … batch·k`` (the running sum of
+        the survivals, largest first)."""
         published = self.survival() if self.survival is not None else None
         if published is not None and len(published) == batch:
-            return float(published.reshape(-1).sort(descending=True).values[:budget].sum())
-        total, survive, left = 0.0, 1.0, budget
-        for alpha in self.chain.alphas()[: self.sizes[-1]]:
-            survive *= alpha
-            total += survive * min(left, batch)
-            left -= min(left, batch)
-        return total
+            survivals = published.reshape(-1).sort(descending=True).values.tolist()
+        else:
+            survivals, survive = [], 1.0
+            for alpha in self.chain.alphas()[: self.sizes[-1]]:
+                survive *= alpha
+                survivals += [survive] * batch
+        curve = [0.0]
+        for x in survivals:
+            curve.append(curve[-1] + x)
+        return curve
 
     def candidates(self, batch: int) -> tuple[int, ...]:
         """The speculative sizes for a group of ``batch``: the worker's sizes, or for a ragged worker
@@ -238,7 +266,14 @@ class RoundChooser:
         sizes = self.candidates(batch)
         if self.static:
             return sizes[-1]
-        rates = {s: tokens / seconds for s in (0, *sizes) for tokens, seconds in [self.predict(batch, s)]}
+        speculative = self._speculative.get(batch)
+        if speculative is None:
+            speculative = self._predictions(batch, sizes)
+            if self.survival is None:  # a published survival can change without a round recorded here
+                self._speculative[batch] = speculative
+        predicted = {**self._predictions(batch, (0,)), **speculative}
+        self._predicted = (batch, predicted)  # what ``record`` compares the round with
+        rates = {s: tokens / seconds for s, (tokens, seconds) in predicted.items()}
         best = max(rates, key=lambda s: (rates[s], -s))  # ties: the smaller round
         if rates[best] < rates[0] * (1 + MARGIN):
             best = 0
@@ -264,13 +299,14 @@ class RoundChooser:
         outcome.tokens += tokens
         outcome.seconds += seconds
         if self.table is not None:
-            tokens_predicted, seconds_predicted = self.predict(batch, size)
+            chosen = self._predicted[1] if self._predicted is not None and self._predicted[0] == batch else {}
+            tokens_predicted, seconds_predicted = chosen[size] if size in chosen else self.predict(batch, size)
             outcome.predicted_tokens += tokens_predicted
             outcome.predicted_seconds += seconds_predicted
-            residual = seconds - deferred_seconds - self.table.seconds(batch, self.rows(batch, size))
+            forward = self.table.seconds(batch, self.rows(batch, size))
             window = self._residuals.setdefault((batch, size), deque(maxlen=OVERHEAD_WINDOW))
-            window.append((self._recorded.get(batch, 0), residual))
-            _drop_before_a_shift(window, self.table.seconds(batch, self.rows(batch, size)))
+            window.append((self._recorded.get(batch, 0), seconds - deferred_seconds - forward))
+            _drop_before_a_shift(window, forward)
             self.overhead[batch, size] = (len(window), statistics.median(r for _, r in window))
         self._recorded[batch] = self._recorded.get(batch, 0) + 1
         if self._exploring is not None and self._exploring[:2] == (batch, size):
@@ -278,28 +314,37 @@ class RoundChooser:
             confirmed = tokens < rate * max(seconds - deferred_seconds, 0.0)  # it measured a loss
             self._gap[interrupted] = (min(2 * self._gap[interrupted], MAX_EXPLORE_GAP * self.explore_every)
                                       if confirmed else self.explore_every)
-        self._exploring = None
+        self._exploring = self._predicted = None
         if size:
+            self._speculative.clear()
             for n, r in zip(num_drafts, accepted):
                 if self.budgets is None:
                     self.chain.record(n, r)
                 else:
                     self.budgets.record(size, n, r)
 
-    def _overhead(self, batch: int, size: int) -> float:
-        """The overhead of (batch, size): its running median shrunk toward the pooled mean (module doc)."""
-        cells = dict(self.overhead)
-        kind = {(b, s): c for (b, s), c in cells.items() if (s > 0) == (size > 0)}
-        same = [c for (b, _), c in kind.items() if b == batch]
-        if same:
-            pooled = sum(n * mean for n, mean in same) / sum(n for n, _ in same)
-        elif kind:
-            (b, _), (_, mean) = min(kind.items(), key=lambda kv: (abs(kv[0][0] - batch), abs(kv[0][1] - size)))
-            pooled = mean * batch / b
-        else:
-            return 0.0
-        n, mean = cells.get((batch, size), (0, 0.0))
-        return (n * mean + POOL_WEIGHT * pooled) / (n + POOL_WEIGHT)
+    def _overheads(self, batch: int, sizes: tuple[int, ...]) -> dict[int, float]:
+        """The overhead of (batch, s) for each of ``sizes``: its running median shrunk toward the
+        pooled mean (module doc)."""
+        cells = dict(self.overhead)  # a copy: the engine thread may add rounds
+        pooled: dict[bool, float | None] = {}
+        out = {}
+        for size in sizes:
+            kind = size > 0
+            if kind not in pooled:
+                same = [c for (b, s), c in cells.items() if b == batch and (s > 0) == kind]
+                pooled[kind] = sum(n * mean for n, mean in same) / sum(n for n, _ in same) if same else None
+            pool = pooled[kind]
+            if pool is None:  # this batch size has no round of the kind: the nearest one's, scaled
+                others = {(b, s): c for (b, s), c in cells.items() if (s > 0) == kind}
+                if not others:
+                    out[size] = 0.0
+                    continue
+                (b, _), (_, mean) = min(others.items(), key=lambda kv: (abs(kv[0][0] - batch), abs(kv[0][1] - size)))
+                pool = mean * batch / b
+            n, mean = cells.get((batch, size), (0, 0.0))
+            out[size] = (n * mean + POOL_WEIGHT * pool) / (n + POOL_WEIGHT)
+        return out
 
     def snapshot(self) -> dict[tuple[int, int], _Outcome]:
         """The outcomes so far (for ``report(since=...)``: what a later stretch of rounds did)."""
@@ -338,8 +383,8 @@ def _drop_before_a_shift(window: deque, forward: float) -> None:
     other sizes at that batch size between them) and took more than ``SHIFT_FACTOR``× (or less than 1/``SHIFT_FACTOR``×) what the older
     ones predict (``forward`` + their median residual): the cost of this (batch, size) moved while
     other sizes ran, e.g. a burst of load began or ended."""
-    if len(window) <= SHIFT_RUN:
-        return
+    if len(window) <= SHIFT_RUN or window[-1][0] - window[-2][0] < 2:
+        return  # too few rounds, or a stretch of this size (checked in full below): its median follows on its own
     entries = list(window)
     recent = entries[-SHIFT_RUN:]
     if any(later - earlier < 2 for (earlier, _), (later, _) in zip(entries[-SHIFT_RUN - 1:], recent)):

@@ -56,7 +56,7 @@ class DeferredRows:
         self.capacity = capacity
         self.values = torch.zeros(num_slots, capacity, width, dtype=dtype)  # [slots, cap, W]
         self.tokens = torch.zeros(num_slots, capacity, dtype=torch.long)  # [slots, cap]
-        self.count = torch.zeros(num_slots, dtype=torch.long)  # [slots] pushed rows held
+        self.count = [0] * num_slots  # pushed rows held per slot (Python ints: a plain step checks and bumps them)
         self.prompts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> (values [n, W], tokens [n])
 
     def owe_prompt(self, slot: int, values: torch.Tensor, tokens: torch.Tensor | None = None) -> None:
@@ -69,18 +69,25 @@ class DeferredRows:
 
     def full(self, slots: list[int]) -> bool:
         """Whether some slot of ``slots`` holds ``capacity`` pushed rows (it must catch up before a push)."""
-        return bool((self.count[torch.tensor(slots)] >= self.capacity).any())
+        return any(self.count[s] >= self.capacity for s in slots)
 
     def push(self, slots: list[int], values: torch.Tensor, tokens: torch.Tensor | None = None) -> None:
-        """Append one row per slot: ``values`` [B, W], ``tokens`` [B] (or None)."""
-        slot_t = torch.tensor(slots)
-        at = self.count[slot_t]
-        if int(at.max()) >= self.capacity:
+        """Append one row per slot: ``values`` [B, W], ``tokens`` [B] (or None). One copy per
+        tensor (every plain step of a speculative worker pays it, so no other tensor work)."""
+        at = [self.count[s] for s in slots]
+        if max(at) >= self.capacity:
             raise RuntimeError("a slot holds `capacity` deferred rows: catch up before pushing")
-        self.values[slot_t, at] = values.to(self.values.dtype)
-        if tokens is not None:
-            self.tokens[slot_t, at] = tokens
-        self.count[slot_t] += 1
+        if len(slots) == 1:
+            self.values[slots[0], at[0]].copy_(values[0])
+            if tokens is not None:
+                self.tokens[slots[0], at[0]] = tokens[0]
+        else:
+            rows = torch.tensor([s * self.capacity + a for s, a in zip(slots, at)])  # into [slots * cap] rows
+            self.values.view(-1, self.values.shape[-1]).index_copy_(0, rows, values.to(self.values.dtype))
+            if tokens is not None:
+                self.tokens.view(-1).index_copy_(0, rows, tokens)
+        for s in slots:
+            self.count[s] += 1
 
     def take(self, slots: list[int]) -> list[Owed]:
         """Remove every row ``slots`` owe; returns the batches to run, in order: the prompts owed
@@ -91,14 +98,13 @@ class DeferredRows:
             values, tokens = zip(*(self.prompts.pop(s) for s in prompts))
             batches.append(Owed(prompts, pad_sequence(list(values), batch_first=True),
                                 pad_sequence(list(tokens), batch_first=True), [len(v) for v in values]))
-        held = [s for s in slots if int(self.count[s])]
+        held = [s for s in slots if self.count[s]]
         if held:
-            slot_t = torch.tensor(held)
-            counts = self.count[slot_t]
-            T = int(counts.max())
-            batches.append(Owed(held, self.values[slot_t, :T].clone(), self.tokens[slot_t, :T].clone(),
-                                counts.tolist()))
-            self.count[slot_t] = 0
+            slot_t, counts = torch.tensor(held), [self.count[s] for s in held]
+            T = max(counts)
+            batches.append(Owed(held, self.values[slot_t, :T], self.tokens[slot_t, :T], counts))  # indexing copies
+            for s in held:
+                self.count[s] = 0
         return batches
 
     def release(self, slot: int) -> None:

@@ -332,3 +332,26 @@ def test_an_exploration_that_measures_a_win_keeps_the_gap_short():
             chooser.chain.record(size, 0)
     explored = [i for i, s in enumerate(sizes) if s]
     assert [b - a for a, b in zip(explored, explored[1:])] == [4] * (len(explored) - 1) and len(explored) >= 8
+
+
+def test_each_decision_predicts_what_predict_gives_from_scratch():
+    """A decision's predictions (kept for its ``record``; a stretch of plain steps reuses the
+    speculative sizes' until a speculative round is recorded) equal ``predict``'s: twin choosers fed
+    the same rounds, one deciding and one only recording, report the same predictions."""
+    t = table(lambda b, r: 0.02 * b * (1 + 0.3 * (r - 1)))
+    deciding, recording = RoundChooser(t, (1, 2, 3), explore_every=4), RoundChooser(t, (1, 2, 3), explore_every=4)
+    sizes = []
+    for i in range(400):
+        batch = 1 + (i // 50) % 2
+        size = deciding.choose(batch)
+        accepted = [min(size, (i * 7 + b) % 4) for b in range(batch)]
+        seconds = t.seconds(batch, 1 + size) * (1.5 if i % 7 == 0 else 1.0) + 0.004 * size
+        for chooser in (deciding, recording):
+            chooser.record(batch, size, seconds, [size] * batch, accepted, batch + sum(accepted))
+        sizes.append(size)
+    assert {0, 1}.issubset(sizes) or {0, 2}.issubset(sizes) or {0, 3}.issubset(sizes)  # both kinds ran
+    assert deciding.outcomes.keys() == recording.outcomes.keys()
+    for key, outcome in deciding.outcomes.items():
+        other = recording.outcomes[key]
+        assert (outcome.predicted_tokens, outcome.predicted_seconds) == pytest.approx(
+            (other.predicted_tokens, other.predicted_seconds), rel=1e-12)

@@ -201,7 +201,10 @@ def test_bench_serve_writes_json_and_plot(debug_target, random_drafter, tmp_path
     k1, ar = runs["specray-drafter-k1", 2], runs["specray-ar", 2]  # one pass each (--repeats 1): paired ratio = ratio
     assert result["speedup_vs_ar_by_pass"]["2"]["specray-drafter-k1"] == pytest.approx(
         [(k1["tokens"] / k1["pass_seconds"][0]) / (ar["tokens"] / ar["pass_seconds"][0])])
-    assert k1["pass_seconds"] == [k1["seconds"]]
+    assert k1["pass_seconds"] == [k1["seconds"]] and k1["chunk_seconds"] == [[k1["seconds"]]]  # 2 prompts: one chunk
+    paired = result["speedup_vs_ar_paired"]["2"]["specray-drafter-k1"]  # one chunk pair: the pass ratio, no spread
+    assert paired["pairs"] == 1 and paired["ratio"] == pytest.approx(result["speedup_vs_ar_by_pass"]["2"]["specray-drafter-k1"][0])
+    assert paired["ci95"] == [pytest.approx(paired["ratio"])] * 2
     for key in ("tau", "speedup_vs_ar", "speedup_vs_hf_generate", "bound_ratio", "greedy_match"):
         assert result[key] is not None
     assert result["speedup_vs_vllm_ar"] is None and result["greedy_match"] == 1.0
@@ -313,10 +316,10 @@ def test_dflash_plain_steps_past_the_capacity_catch_up_and_end_on_a_prefills_con
     tokens = [int(worker.prefill([0], [prompt])[0].argmax())]
     for _ in range(7):
         tokens += worker.step([0], [tokens[-1]], [SamplingParams()], [None], 0).tokens[0]
-    assert int(worker.context.committed[0]) == len(prompt) + 6 and int(worker.deferred.count[0]) == 1
+    assert int(worker.context.committed[0]) == len(prompt) + 6 and worker.deferred.count[0] == 1
     worker.step([0], [tokens[-1]], [SamplingParams()], [None], worker.verify_sizes[0])  # a round catches up first
     n = int(engine.runner.cache.committed[0])
-    assert int(worker.context.committed[0]) == n and int(worker.deferred.count[0]) == 0
+    assert int(worker.context.committed[0]) == n and worker.deferred.count[0] == 0
     fresh = Engine(debug_target, str(random_drafter), max_batch=1, max_len=512).worker
     fresh.prefill([0], [prompt + tokens[:n - len(prompt)]])
     fresh.catch_up([0])
