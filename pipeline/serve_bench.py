@@ -64,7 +64,6 @@ def _timed(systems: dict[str, Callable[[Chunk], _Generated]], chunks: list[Chunk
     run one after another would not (one pass here swings ±8 %, which is larger than the effects
     the ratios are read for)."""
     names = list(systems)
-    times: dict[str, list[float]] = {name: [] for name in names}
     chunk_times: dict[str, list[list[float]]] = {name: [] for name in names}
     last: dict[str, _Generated] = {}
     for r in range(repeats):
@@ -75,10 +74,10 @@ def _timed(systems: dict[str, Callable[[Chunk], _Generated]], chunks: list[Chunk
                 parts[name].append(systems[name](chunk))
                 seconds[name].append(time.perf_counter() - start)
         for name in names:
-            times[name].append(sum(seconds[name]))
             chunk_times[name].append(seconds[name])
             last[name] = _Generated.joined(parts[name])
-    return {name: (statistics.median(times[name]), last[name], times[name], chunk_times[name]) for name in names}
+    passes = {name: [sum(c) for c in chunk_times[name]] for name in names}
+    return {name: (statistics.median(passes[name]), last[name], passes[name], chunk_times[name]) for name in names}
 
 
 def _hf_generate(model, tokenizer, prompts: list[list[int]], max_tokens: int, **extra) -> list[list[int]]:

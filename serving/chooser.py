@@ -218,8 +218,8 @@ class RoundChooser:
             curve = self._budget_curve(batch)
             accepted = {s: curve[min(s, len(curve) - 1)] for s in sizes}
         elif self.budgets is None:
-            accepted = dict(zip(range(self.depth + 1), self.chain.cumulative()))
-            accepted = {s: batch * accepted[min(s, self.depth)] for s in sizes}
+            cumulative = self.chain.cumulative()  # [0 … depth]
+            accepted = {s: batch * cumulative[min(s, self.depth)] for s in sizes}
         else:
             accepted = {s: batch * self.expected_accepted(s) for s in sizes}
         return {s: (batch + accepted[s], self.table.seconds(batch, self.rows(batch, s)) + overheads[s]) for s in sizes}

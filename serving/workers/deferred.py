@@ -77,15 +77,10 @@ class DeferredRows:
         at = [self.count[s] for s in slots]
         if max(at) >= self.capacity:
             raise RuntimeError("a slot holds `capacity` deferred rows: catch up before pushing")
-        if len(slots) == 1:
-            self.values[slots[0], at[0]].copy_(values[0])
-            if tokens is not None:
-                self.tokens[slots[0], at[0]] = tokens[0]
-        else:
-            rows = torch.tensor([s * self.capacity + a for s, a in zip(slots, at)])  # into [slots * cap] rows
-            self.values.view(-1, self.values.shape[-1]).index_copy_(0, rows, values.to(self.values.dtype))
-            if tokens is not None:
-                self.tokens.view(-1).index_copy_(0, rows, tokens)
+        rows = torch.tensor([s * self.capacity + a for s, a in zip(slots, at)])  # into [slots * cap] rows
+        self.values.view(-1, self.values.shape[-1]).index_copy_(0, rows, values.to(self.values.dtype))
+        if tokens is not None:
+            self.tokens.view(-1).index_copy_(0, rows, tokens)
         for s in slots:
             self.count[s] += 1
 
