@@ -6,8 +6,12 @@ plain step), the chooser predicts
 
     tokens/s(s) = B · (1 + E[accepted | s]) / (forward(B, 1 + s) + overhead(B, s))
 
-and runs the best ``s`` — a round only when it beats the plain step by ``MARGIN`` (choosing
-the best of several noisy estimates favours the one that was measured luckiest):
+and runs the best ``s`` — a round only when it beats the plain step by ``MARGIN`` plus the
+two estimates' noise (the standard error of each one's median, relative to it, combined:
+choosing the best of several noisy estimates favours the one that was measured luckiest, and on
+a shared machine, where single steps vary by 10–20 %, a 20-round median moves by a few percent
+— more than ``MARGIN`` — so a drafter that loses by 5 % would otherwise speculate for stretches
+whenever the plain step's median drew high):
 
 - ``forward(B, rows)``: the cost table (``serving/cost_table.py``): the target's measured forward;
 - ``overhead(B, s)``: everything else a round costs (drafting, acceptance, commits, the
@@ -81,7 +85,8 @@ OVERHEAD_WINDOW = 20  # rounds a (batch, size) overhead is the median of
 SHIFT_RUN = 2  # separate rounds of a size that must agree on a changed cost before its older ones are dropped
 SHIFT_FACTOR = 1.5  # ... each measured this much above or below what the older rounds predict
 POOL_WEIGHT = 4.0  # pseudo-rounds pulling a (batch, size) overhead toward its batch size's pooled mean
-MARGIN = 0.02  # a speculative size must predict this much more than a plain step
+MARGIN = 0.02  # a speculative size must predict this much more than a plain step (plus the estimates' noise)
+MIN_NOISE_ROUNDS = 5  # rounds in a window before its spread is read as the noise of its median
 MAX_EXPLORE_GAP = 16  # explorations that confirm the choice space out to this many times explore_every
 PRIOR_ACCEPT = 0.5  # position 1's conditional acceptance before any round (optimistic enough to try)
 SHRINK = 4.0  # pseudo-rounds pulling a position's estimate toward the position before it
@@ -275,7 +280,7 @@ class RoundChooser:
         self._predicted = (batch, predicted)  # what ``record`` compares the round with
         rates = {s: tokens / seconds for s, (tokens, seconds) in predicted.items()}
         best = max(rates, key=lambda s: (rates[s], -s))  # ties: the smaller round
-        if rates[best] < rates[0] * (1 + MARGIN):
+        if best and rates[best] < rates[0] * (1 + MARGIN + self._noise(batch, (0, best), predicted)):
             best = 0
         kind = best > 0  # now and then explore the other kind (module doc)
         if kind != self._kind:
@@ -322,6 +327,21 @@ class RoundChooser:
                     self.chain.record(n, r)
                 else:
                     self.budgets.record(size, n, r)
+
+    def noise(self, batch: int, size: int) -> float:
+        """The standard error of (batch, size)'s median overhead in seconds, from the spread of its
+        window (1.4826 MAD ~ sigma; a median's standard error ~ 1.2533 sigma / sqrt(n)); 0 with
+        fewer than ``MIN_NOISE_ROUNDS`` rounds there: nothing to read it from. Computed only when
+        a speculative size is the best (not on every plain step)."""
+        window = [r for _, r in self._residuals.get((batch, size), ())]  # a copy: the engine thread may add rounds
+        if len(window) < MIN_NOISE_ROUNDS:
+            return 0.0
+        median = statistics.median(window)
+        return 1.2533 * 1.4826 * statistics.median(abs(r - median) for r in window) / len(window) ** 0.5
+
+    def _noise(self, batch: int, sizes: tuple[int, ...], predicted: dict[int, tuple[float, float]]) -> float:
+        """The combined relative standard error of ``sizes``' predicted seconds at ``batch``."""
+        return sum((self.noise(batch, s) / predicted[s][1]) ** 2 for s in sizes) ** 0.5
 
     def _overheads(self, batch: int, sizes: tuple[int, ...]) -> dict[int, float]:
         """The overhead of (batch, s) for each of ``sizes``: its running median shrunk toward the

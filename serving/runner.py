@@ -39,7 +39,9 @@ builders, generation config checks). This runner is built for that regime (numbe
 positions ``committed[slot] + t`` (``num_new[b] <= T`` real rows, the rest padding), writes their
 K/V as scratch (``serving/kv_cache.py``; nothing is committed here), and returns logits for all
 rows and the decoder-layer outputs of ``capture_layer_ids`` (the drafter's context features,
-same capture point as ``capture/contract.py``). All in the target's dtype (fp32 by default),
+same capture point as ``capture/contract.py``), written side by side into one tensor as the
+layers run (``RunnerOutput.features``: a drafter alone on the runner reads it as is, with no
+copy on a plain step's path). All in the target's dtype (fp32 by default),
 equal to transformers up to float rounding (``tests/serving/test_runner.py``).
 """
 
@@ -58,8 +60,27 @@ from specray.serving.kv_cache import SlotKVCache, attention_mask, tree_attention
 
 @dataclass
 class RunnerOutput:
+    """A forward's logits and captured layers. The captured layers are written side by side into
+    one tensor, ``features`` [B, T, L·D] (columns in ``layers`` order, the runner's
+    ``capture_layer_ids``), which is what a drafter reads as its context features; ``hidden``
+    gives each layer's columns as a view."""
+
     logits: torch.Tensor  # [B, T, V] float32
-    hidden: dict[int, torch.Tensor]  # layer id -> [B, T, D] decoder-layer output
+    features: torch.Tensor | None  # [B, T, L*D] the captured layers' outputs side by side; None if none
+    layers: tuple[int, ...]  # the layer ids of features' column blocks, in order
+
+    @property
+    def hidden(self) -> dict[int, torch.Tensor]:
+        """Layer id -> its decoder-layer output [B, T, D] (a view of ``features``)."""
+        return dict(zip(self.layers, self.features.chunk(len(self.layers), dim=-1))) if self.layers else {}
+
+    def features_of(self, layer_ids) -> torch.Tensor:
+        """The layers ``layer_ids`` side by side [B, T, len·D]: ``features`` itself when they are
+        its columns in order (a drafter alone on the runner: no copy), else a copy of those columns."""
+        if tuple(layer_ids) == self.layers:
+            return self.features
+        hidden = self.hidden
+        return torch.cat([hidden[i] for i in layer_ids], dim=-1)
 
 
 @dataclass
@@ -154,6 +175,8 @@ class LlamaRunner:
         self.capture_layer_ids = tuple(capture_layer_ids)  # read by every forward (the engine may swap it between steps)
         if any(not 0 <= i < cfg.num_hidden_layers for i in self.capture_layer_ids):
             raise ValueError(f"capture_layer_ids {self.capture_layer_ids} outside 0..{cfg.num_hidden_layers - 1}")
+        if len(set(self.capture_layer_ids)) != len(self.capture_layer_ids):
+            raise ValueError(f"capture_layer_ids {self.capture_layer_ids} repeat a layer")
         dtype = model.lm_head.weight.dtype
         self.embed = model.model.embed_tokens.weight  # [V, D]
         self.final_norm = model.model.norm.weight
@@ -262,33 +285,35 @@ class LlamaRunner:
             out = out.view(-1, Hkv, g * T, hd).index_select(0, plan.places)  # [B, Hkv, g*T, hd]
         return out.view(B, Hkv, g, T, hd).permute(0, 3, 1, 2, 4).reshape(B * T, H * hd)
 
-    def _decoder(self, x: torch.Tensor, attend) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    def _decoder(self, x: torch.Tensor, attend, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder layers over rows x [R, D] (``attend(i, qkv) -> [R, H*hd]`` is layer i's attention);
-        returns (the final norm's input [R, D], the captured layers' outputs, each [R, D])."""
+        returns (the final norm's input [R, D], the outputs of ``layers`` side by side [R, L*D] or
+        None), each captured layer written straight into its columns."""
+        R, D = x.shape
+        features = x.new_empty(R, len(layers) * D) if layers else None
+        columns = {i: features[:, j * D : (j + 1) * D] for j, i in enumerate(layers)}
         if self.native:
-            return self._decoder_native(x, attend)
-        D = x.shape[-1]
-        hidden: dict[int, torch.Tensor] = {}
+            return self._decoder_native(x, attend, columns), features
         for i, w in enumerate(self.layers):
             h = F.rms_norm(x, (D,), w["in_norm"], self.eps)
             x = w["o"](attend(i, w["qkv"](h)), residual=x)
             gate, up = w["gate_up"](F.rms_norm(x, (D,), w["post_norm"], self.eps)).chunk(2, dim=-1)
             x = w["down"](F.silu(gate).mul_(up), residual=x)
-            if i in self.capture_layer_ids:
-                hidden[i] = x
-        return x, hidden
+            if i in columns:
+                columns[i].copy_(x)
+        return x, features
 
-    def _decoder_native(self, x: torch.Tensor, attend) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    def _decoder_native(self, x: torch.Tensor, attend, columns: dict[int, torch.Tensor]) -> torch.Tensor:
         """``_decoder`` with the fused kernels (``kernels/decode_cpu.py``): each residual add is done
-        in place inside the next RMSNorm, and SiLU·up is one call."""
-        hidden: dict[int, torch.Tensor] = {}
+        in place inside the next RMSNorm, and SiLU·up is one call; a captured layer's output
+        (``x + y``) is added straight into its ``columns``."""
         y = None  # the last product's output, not yet added to x
         for i, w in enumerate(self.layers):
             y = w["o"](attend(i, w["qkv"](decode_cpu.add_rms_norm(x, y, w["in_norm"], self.eps))))
             y = w["down"](decode_cpu.silu_mul(w["gate_up"](decode_cpu.add_rms_norm(x, y, w["post_norm"], self.eps))))
-            if i in self.capture_layer_ids:
-                hidden[i] = x + y
-        return x.add_(y), hidden
+            if i in columns:
+                torch.add(x, y, out=columns[i])
+        return x.add_(y)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(F.rms_norm(x, (x.shape[-1],), self.final_norm, self.eps)).float()
@@ -303,8 +328,9 @@ class LlamaRunner:
         else:
             plan = self._plan(slots, num_new, T, tree)
             attend = lambda i, qkv: self._attention(i, qkv, plan)  # noqa: E731
-        x, hidden = self._decoder(F.embedding(input_ids.reshape(-1), self.embed), attend)
-        return RunnerOutput(self._logits(x).view(B, T, -1), {i: h.view(B, T, -1) for i, h in hidden.items()})
+        layers = self.capture_layer_ids
+        x, features = self._decoder(F.embedding(input_ids.reshape(-1), self.embed), attend, layers)
+        return RunnerOutput(self._logits(x).view(B, T, -1), None if features is None else features.view(B, T, -1), layers)
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], slots: torch.Tensor, *, every_row: bool = False) -> RunnerOutput:
@@ -330,7 +356,9 @@ class LlamaRunner:
                                           slots=slots.to(torch.int64).contiguous(), start=start)
         else:
             attend = self._prefill_attention(prompts, slots, start, ends, lengths, positions)
-        x, hidden = self._decoder(F.embedding(torch.cat([torch.tensor(p) for p in prompts]), self.embed), attend)
+        layers = self.capture_layer_ids
+        x, features = self._decoder(F.embedding(torch.cat([torch.tensor(p) for p in prompts]), self.embed), attend,
+                                    layers)
         B, T = len(prompts), int(lengths.max())
         rows = (torch.arange(T)[None, :] < lengths[:, None]).view(-1).nonzero()[:, 0]  # real rows of [B*T]
 
@@ -338,7 +366,7 @@ class LlamaRunner:
             return h.new_zeros(B * T, h.shape[-1]).index_copy_(0, rows, h).view(B, T, -1)
 
         logits = padded(self._logits(x)) if every_row else self._logits(x[ends - 1])[:, None]
-        return RunnerOutput(logits, {i: padded(h) for i, h in hidden.items()})
+        return RunnerOutput(logits, None if features is None else padded(features), layers)
 
     def _prefill_attention(self, prompts: list[list[int]], slots: torch.Tensor, start: torch.Tensor,
                            ends: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor):

@@ -23,6 +23,8 @@ from typing import NamedTuple
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from specray.serving.runner import RunnerOutput
+
 DEFERRED_ROWS = 64  # pushed rows a slot may owe before the worker catches up (a few MB at 16 slots)
 
 
@@ -38,11 +40,11 @@ class Owed(NamedTuple):
     rows: list[int]
 
 
-def prompt_features(hidden: dict[int, torch.Tensor], layer_ids, lengths: list[int]) -> list[torch.Tensor]:
-    """A batched prefill's captured layers (each [B, T_max, D], right-padded) -> each prompt's
-    features [n_b, L·D], unpadded (copies: they outlive the prefill's tensors)."""
-    layers = [hidden[i] for i in layer_ids]
-    return [torch.cat([h[b, :n] for h in layers], dim=-1) for b, n in enumerate(lengths)]
+def prompt_features(out: RunnerOutput, layer_ids, lengths: list[int]) -> list[torch.Tensor]:
+    """A batched prefill's captured layers ``layer_ids`` (right-padded) -> each prompt's features
+    [n_b, L·D], unpadded (copies: a view would keep the whole padded batch alive)."""
+    features = out.features_of(layer_ids)  # [B, T_max, L·D]
+    return [features[b, :n].clone() for b, n in enumerate(lengths)]
 
 
 class DeferredRows:

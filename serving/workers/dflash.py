@@ -83,10 +83,6 @@ class DFlashWorker:
     def stats(self) -> dict:
         return {"steps": self.steps, "phase_seconds": dict(self.phase_seconds)}
 
-    def _features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
-        """The runner's captured layers -> the drafter's context features [B, T, L*D]."""
-        return torch.cat([hidden[i] for i in self.cfg.target_layer_ids], dim=-1)
-
     def _commit_context(self, slots: list[int], feats: torch.Tensor, rows: list[int]) -> None:
         """Project the features [B, T, L*D] of each request's first ``rows[b]`` rows into draft K/V."""
         start = self.context.committed[torch.tensor(slots)]
@@ -102,7 +98,7 @@ class DFlashWorker:
         """Run the prompts and commit them in the target cache; the drafter's context owes their
         rows until ``catch_up``. Returns last-row logits [B, V]."""
         logits, out = prefill_target(self.runner, slots, prompts)
-        features = prompt_features(out.hidden, self.cfg.target_layer_ids, [len(p) for p in prompts])
+        features = prompt_features(out, self.cfg.target_layer_ids, [len(p) for p in prompts])
         for slot, rows in zip(slots, features):
             self.deferred.owe_prompt(slot, rows)
         return logits
@@ -176,7 +172,7 @@ class DFlashWorker:
         rows = [len(tokens) for tokens in result.tokens]
         for slot, n in zip(slots, rows):
             self.runner.cache.commit(slot, n)
-        self._commit_context(slots, self._features(out.hidden), rows)
+        self._commit_context(slots, out.features_of(self.cfg.target_layer_ids), rows)
         t0, t1, t2, t3 = times
         t4 = time.perf_counter()
         for phase, seconds in zip(self.phase_seconds, (t1 - t0, t2 - t1, t3 - t2, t4 - t3 + owed)):
@@ -187,5 +183,5 @@ class DFlashWorker:
         """One target row per request: the AR step; the drafter context owes that row."""
         owed = self.catch_up(slots) if self.deferred.full(slots) else 0.0
         tokens, errors, out = ar_step(self.runner, slots, anchors, params, generators)
-        self.deferred.push(slots, self._features(out.hidden)[:, 0])
+        self.deferred.push(slots, out.features_of(self.cfg.target_layer_ids)[:, 0])
         return StepOutput.plain(tokens, errors, deferred_seconds=owed)

@@ -37,7 +37,7 @@ import torch
 
 from specray.drafters.eagle3 import Eagle3Drafter
 from specray.serving.kv_cache import SlotKVCache
-from specray.serving.runner import LlamaRunner, pad_rows
+from specray.serving.runner import LlamaRunner, RunnerOutput, pad_rows
 from specray.serving.sampling import process
 from specray.serving.verify import accept_chains
 from specray.serving.workers.ar import ar_step, prefill_target
@@ -96,14 +96,9 @@ class Eagle3Worker:
 
     # -- the drafter's rows ---------------------------------------------------------------
 
-    def _features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
-        """The runner's captured layers -> their concatenated features [B, T, L·D]."""
-        return torch.cat([hidden[i] for i in self.cfg.target_layer_ids], dim=-1)
-
-    def _target_state(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
-        """The runner's captured layers -> fused target states g [B, T, D]."""
-        with torch.inference_mode():
-            return self.drafter.fuse(self._features(hidden))
+    def _features(self, out: RunnerOutput) -> torch.Tensor:
+        """A target forward's captured layers -> the drafter's features [B, T, L·D]."""
+        return out.features_of(self.cfg.target_layer_ids)
 
     @torch.inference_mode()
     def _rows(self, slots: torch.Tensor, start: torch.Tensor, state: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -172,7 +167,7 @@ class Eagle3Worker:
         prompt row's features with the next prompt token) until ``catch_up``, and keeps g_{n−1}
         pending. Returns the last rows' logits [B, V]."""
         logits, out = prefill_target(self.runner, slots, prompts)
-        features = prompt_features(out.hidden, self.cfg.target_layer_ids, [len(p) for p in prompts])
+        features = prompt_features(out, self.cfg.target_layer_ids, [len(p) for p in prompts])
         for slot, prompt, rows in zip(slots, prompts, features):
             self.release(slot)
             self.deferred.owe_prompt(slot, rows[:-1], torch.tensor(prompt[1:], dtype=torch.long))
@@ -229,19 +224,22 @@ class Eagle3Worker:
         rows = [len(tokens) for tokens in result.tokens]  # [a, d1 … dr]: r + 1 rows (0 if it failed)
         for slot, n in zip(slots, rows):
             self.runner.cache.commit(slot, n)
-        self._extend_emitted(slots, out.hidden, result.tokens)
+        self._extend_emitted(slots, self._features(out), result.tokens)
         t4 = time.perf_counter()
         for phase, seconds in zip(self.phase_seconds, (t1 - t0, t2 - t1, t3 - t2, t4 - t3 + owed)):
             self.phase_seconds[phase] += seconds
         self.steps += 1
         return StepOutput(result.tokens, [M - 1] * B, result.accepted, True, result.errors, deferred_seconds=owed)
 
-    def _extend_emitted(self, slots: list[int], hidden: dict[int, torch.Tensor], emitted: list[list[int]]) -> None:
-        """Draft extend: the target rows just committed, each paired with the token that follows
-        it — the emitted tokens ``[d1 … dr, x*]`` follow verify rows ``[a, d1 … dr]``."""
+    def _extend_emitted(self, slots: list[int], features: torch.Tensor, emitted: list[list[int]]) -> None:
+        """Draft extend: the target rows just committed (``features`` [B, T, L·D] of verify rows
+        ``[a, d1 … dr]`` first), each paired with the token that follows it — the emitted tokens
+        ``[d1 … dr, x*]``."""
         tokens, _ = pad_rows([t or [0] for t in emitted])
         rows = [len(t) for t in emitted]
-        self._extend(slots, self._target_state(hidden)[:, : tokens.shape[1]], tokens, rows)
+        with torch.inference_mode():
+            state = self.drafter.fuse(features[:, : tokens.shape[1]])
+        self._extend(slots, state, tokens, rows)
 
     def _plain_step(self, slots: list[int], anchors: list[int], params, generators, owed: float) -> StepOutput:
         """One target row per request (the AR step); the drafter owes the row of the anchor's
@@ -251,6 +249,6 @@ class Eagle3Worker:
         tokens, errors, out = ar_step(self.runner, slots, anchors, params, generators)
         ok = [b for b, t in enumerate(tokens) if t]  # a failed request has no next token: nothing known
         if ok:
-            self.deferred.push([slots[b] for b in ok], self._features(out.hidden)[ok, 0],
+            self.deferred.push([slots[b] for b in ok], self._features(out)[ok, 0],
                                torch.tensor([tokens[b][0] for b in ok]))
         return StepOutput.plain(tokens, errors, deferred_seconds=owed)

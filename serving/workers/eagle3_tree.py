@@ -141,8 +141,9 @@ class Eagle3TreeWorker(Eagle3Worker):
                 self.runner.cache.compact(slot, torch.tensor(path))
                 self.runner.cache.commit(slot, len(path))
         index, _ = pad_rows([path or [0] for path in result.paths])  # [B, r_max + 1] the path's verify rows
-        hidden = {i: h.gather(1, index[..., None].expand(-1, -1, h.shape[-1])) for i, h in out.hidden.items()}
-        self._extend_emitted(slots, hidden, result.tokens)
+        features = self._features(out)  # [B, T, L·D]
+        self._extend_emitted(slots, features.gather(1, index[..., None].expand(-1, -1, features.shape[-1])),
+                             result.tokens)
         t4 = time.perf_counter()
         for phase, seconds in zip(self.phase_seconds, (t1 - t0, t2 - t1, t3 - t2, t4 - t3 + owed)):
             self.phase_seconds[phase] += seconds

@@ -265,6 +265,25 @@ def test_a_burst_of_load_does_not_leave_the_chooser_at_a_losing_size():
     assert after[100:].count(0) >= 290
 
 
+def test_a_round_must_beat_a_noisy_plain_step_by_more_than_its_noise():
+    """A drafter whose round predicts 4 % more tokens/s than the plain step: with steady plain
+    steps (no spread) it speculates; with plain steps alternating 15 % above and below the same
+    median (a shared machine) the median's standard error, about 6 %, is added to the margin and
+    it takes plain steps — the 4 % is within what the median's noise could make up."""
+    t = table(lambda b, r: 0.02 * b * (1 + 0.3 * (r - 1)))
+    choosers = {}
+    for spread in (0.0, 0.15):
+        chooser = trained(RoundChooser(t, (1,)), accept=0.36)
+        for i in range(20):
+            chooser.record(1, 0, 0.02 * (1 + (spread if i % 2 else -spread)), [0], [0], 1)
+        choosers[spread] = chooser
+    rates = {s: (lambda tokens, seconds: tokens / seconds)(*choosers[0.0].predict(1, s)) for s in (0, 1)}
+    assert 1.03 < rates[1] / rates[0] < 1.05  # the same predictions for both
+    assert choosers[0.15].predict(1, 1) == choosers[0.0].predict(1, 1)
+    assert choosers[0.15].noise(1, 0) == pytest.approx(1.2533 * 1.4826 * 0.003 / 20 ** 0.5)
+    assert choosers[0.0].choose(1) == 1 and choosers[0.15].choose(1) == 0
+
+
 def test_slow_rounds_within_a_stretch_are_not_a_shift():
     """Two slow plain steps in a row while plain steps run (a blip) join the median; only rounds
     run apart from each other (explorations) can replace a size's older estimates."""
