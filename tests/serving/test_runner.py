@@ -59,6 +59,32 @@ def test_runner_matches_transformers_debug(debug_target, native):
     _check_runner_matches_transformers(debug_target, atol=1e-4, native=_native(native))
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_captured_layers_are_written_side_by_side_into_one_features_tensor(debug_target, native):
+    """``features`` holds the captured layers' outputs in ``capture_layer_ids`` order; ``hidden``
+    views its columns; ``features_of`` is that tensor itself for the same order (no copy on a
+    plain step's path) and the columns rearranged for another. A repeated layer is refused."""
+    runner = LlamaRunner(debug_target.model, num_slots=2, max_len=64, capture_layer_ids=(0, 2), native=_native(native))
+    ids = torch.tensor([[5, 9, 11], [7, 3, 2]])
+    out = runner.forward(ids, torch.tensor([0, 1]), torch.tensor([3, 3]))
+    _, hs = _reference(debug_target, ids[1])
+    D = debug_target.model.config.hidden_size
+    assert out.layers == (0, 2) and out.features.shape == (2, 3, 2 * D)
+    torch.testing.assert_close(out.features[1, :, D:], hs[3][0], atol=1e-4, rtol=1e-4)
+    assert out.hidden[2].data_ptr() == out.features[..., D:].data_ptr()
+    assert out.features_of((0, 2)) is out.features
+    assert torch.equal(out.features_of((2, 0)), torch.cat([out.hidden[2], out.hidden[0]], dim=-1))
+    assert torch.equal(out.features_of((2,)), out.hidden[2])
+    prefilled = runner.prefill([[5, 9, 11], [7, 3]], torch.tensor([0, 1]))
+    assert prefilled.features.shape == (2, 3, 2 * D) and not prefilled.features[1, 2].any()  # zero padding
+    torch.testing.assert_close(prefilled.features[0], out.features[0], atol=1e-5, rtol=1e-5)
+    runner.capture_layer_ids = ()
+    bare = runner.forward(ids, torch.tensor([0, 1]), torch.tensor([3, 3]))
+    assert bare.features is None and bare.layers == () and bare.hidden == {}
+    with pytest.raises(ValueError, match="repeat a layer"):
+        LlamaRunner(debug_target.model, num_slots=1, max_len=8, capture_layer_ids=(1, 1))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("native", [True, False])
 def test_runner_matches_transformers_smollm2(smollm2, native):
