@@ -7,11 +7,13 @@ plain step), the chooser predicts
     tokens/s(s) = B · (1 + E[accepted | s]) / (forward(B, 1 + s) + overhead(B, s))
 
 and runs the best ``s`` — a round only when it beats the plain step by ``MARGIN`` plus the
-two estimates' noise (the standard error of each one's median, relative to it, combined:
-choosing the best of several noisy estimates favours the one that was measured luckiest, and on
-a shared machine, where single steps vary by 10–20 %, a 20-round median moves by a few percent
-— more than ``MARGIN`` — so a drafter that loses by 5 % would otherwise speculate for stretches
-whenever the plain step's median drew high):
+two estimates' noise (the standard error of each one's median, relative to it, combined).
+Choosing the best of several noisy estimates favours the one that was measured luckiest, and
+on a shared machine the speed moves by several percent within minutes: a size that runs only
+now and then (an exploration) is measured at moments of different speed, and the spread of its
+window says how far its median can be from what it costs now. With ``MARGIN`` alone a drafter
+that lost 5–10 % a round speculated for stretches whenever the two estimates drew apart
+(docs/benchmarks.md, Round cost):
 
 - ``forward(B, rows)``: the cost table (``serving/cost_table.py``): the target's measured forward;
 - ``overhead(B, s)``: everything else a round costs (drafting, acceptance, commits, the
