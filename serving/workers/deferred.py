@@ -32,7 +32,7 @@ class Owed(NamedTuple):
     """Rows owed by ``slots`` (each holds some), in the order they follow the slot's committed rows.
 
     ``values`` [n, T, W] and ``tokens`` [n, T] are padded to the longest ``rows[b]``; padding rows
-    hold stale values: only each slot's first ``rows[b]`` are real."""
+    repeat a real row or are zeros: only each slot's first ``rows[b]`` are real."""
 
     slots: list[int]
     values: torch.Tensor
@@ -50,15 +50,19 @@ def prompt_features(out: RunnerOutput, layer_ids, lengths: list[int]) -> list[to
 class DeferredRows:
     """Per slot, its prompt's rows (any number, owed first) and up to ``capacity`` pushed rows of
     ``width`` values (a row's captured target features) and, per row, the token that follows it
-    (for drafters whose row reads the next token)."""
+    (for drafters whose row reads the next token).
+
+    A push keeps references, not copies: every plain step of a speculative worker pushes, and a
+    small tensor op right after a target forward costs 5–10× its cost in a tight loop
+    (docs/benchmarks.md, Round cost), so a plain step does no tensor work here; ``take`` gathers
+    the rows it returns in one indexing per tensor."""
 
     def __init__(self, *, num_slots: int, width: int, dtype: torch.dtype, capacity: int = DEFERRED_ROWS):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
-        self.capacity = capacity
-        self.values = torch.zeros(num_slots, capacity, width, dtype=dtype)  # [slots, cap, W]
-        self.tokens = torch.zeros(num_slots, capacity, dtype=torch.long)  # [slots, cap]
-        self.count = [0] * num_slots  # pushed rows held per slot (Python ints: a plain step checks and bumps them)
+        self.capacity, self.width, self.dtype = capacity, width, dtype
+        # per slot, its pushed rows in order: (a pushed values tensor [B, W], its row b, that push's tokens [B] or None)
+        self.pushed: list[list[tuple[torch.Tensor, int, torch.Tensor | None]]] = [[] for _ in range(num_slots)]
         self.prompts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> (values [n, W], tokens [n])
 
     def owe_prompt(self, slot: int, values: torch.Tensor, tokens: torch.Tensor | None = None) -> None:
@@ -67,24 +71,24 @@ class DeferredRows:
         self.release(slot)
         if values.shape[0]:
             tokens = torch.zeros(values.shape[0], dtype=torch.long) if tokens is None else tokens
-            self.prompts[slot] = (values.to(self.values.dtype), tokens)
+            self.prompts[slot] = (values.to(self.dtype), tokens)
 
     def full(self, slots: list[int]) -> bool:
         """Whether some slot of ``slots`` holds ``capacity`` pushed rows (it must catch up before a push)."""
-        return any(self.count[s] >= self.capacity for s in slots)
+        return any(len(self.pushed[s]) >= self.capacity for s in slots)
+
+    def owes(self, slot: int) -> int:
+        """Pushed rows ``slot`` holds (its prompt's not counted)."""
+        return len(self.pushed[slot])
 
     def push(self, slots: list[int], values: torch.Tensor, tokens: torch.Tensor | None = None) -> None:
-        """Append one row per slot: ``values`` [B, W], ``tokens`` [B] (or None). One copy per
-        tensor (every plain step of a speculative worker pays it, so no other tensor work)."""
-        at = [self.count[s] for s in slots]
-        if max(at) >= self.capacity:
+        """Append one row per slot: row b of ``values`` [B, W] (and of ``tokens`` [B], or None) to
+        ``slots[b]``. Both are kept as given (pass tensors nothing else writes: a step's fresh
+        output); no tensor work."""
+        if self.full(slots):
             raise RuntimeError("a slot holds `capacity` deferred rows: catch up before pushing")
-        rows = torch.tensor([s * self.capacity + a for s, a in zip(slots, at)])  # into [slots * cap] rows
-        self.values.view(-1, self.values.shape[-1]).index_copy_(0, rows, values.to(self.values.dtype))
-        if tokens is not None:
-            self.tokens.view(-1).index_copy_(0, rows, tokens)
-        for s in slots:
-            self.count[s] += 1
+        for b, s in enumerate(slots):
+            self.pushed[s].append((values, b, tokens))
 
     def take(self, slots: list[int]) -> list[Owed]:
         """Remove every row ``slots`` owe; returns the batches to run, in order: the prompts owed
@@ -95,15 +99,27 @@ class DeferredRows:
             values, tokens = zip(*(self.prompts.pop(s) for s in prompts))
             batches.append(Owed(prompts, pad_sequence(list(values), batch_first=True),
                                 pad_sequence(list(tokens), batch_first=True), [len(v) for v in values]))
-        held = [s for s in slots if self.count[s]]
+        held = [s for s in slots if self.pushed[s]]
         if held:
-            slot_t, counts = torch.tensor(held), [self.count[s] for s in held]
-            T = max(counts)
-            batches.append(Owed(held, self.values[slot_t, :T], self.tokens[slot_t, :T], counts))  # indexing copies
-            for s in held:
-                self.count[s] = 0
+            counts = [len(self.pushed[s]) for s in held]
+            sources: dict[int, int] = {}  # id of a pushed values tensor -> its first row in the concatenation
+            values, tokens, index, total = [], [], [], 0
+            for s, n in zip(held, counts):
+                rows = []
+                for pushed, b, pushed_tokens in self.pushed[s]:
+                    first = sources.get(id(pushed))  # every pushed tensor is alive here: ids are unique
+                    if first is None:
+                        first = sources[id(pushed)] = total
+                        values.append(pushed)
+                        tokens.append(torch.zeros(len(pushed), dtype=torch.long) if pushed_tokens is None else pushed_tokens)
+                        total += len(pushed)
+                    rows.append(first + b)
+                index.append(rows + rows[-1:] * (max(counts) - n))  # padding repeats the slot's last row
+                self.pushed[s] = []
+            index = torch.tensor(index)  # [n, T] into the concatenated rows
+            batches.append(Owed(held, torch.cat(values)[index].to(self.dtype), torch.cat(tokens)[index], counts))
         return batches
 
     def release(self, slot: int) -> None:
-        self.count[slot] = 0
+        self.pushed[slot] = []
         self.prompts.pop(slot, None)

@@ -47,3 +47,29 @@ def test_a_prompt_is_owed_before_the_rows_pushed_after_it():
     rows.owe_prompt(2, torch.tensor([[7.0]]))
     rows.release(2)
     assert rows.take([2]) == []
+
+
+def test_rows_pushed_by_steps_of_different_groups_come_back_from_the_steps_own_tensors():
+    rows = DeferredRows(num_slots=3, width=2, dtype=torch.float64, capacity=4)
+    step1 = torch.tensor([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]])  # slots 0, 1, 2
+    rows.push([0, 1, 2], step1, torch.tensor([10, 20, 30]))
+    rows.release(1)  # slot 1 finished; a new request takes it
+    step2 = torch.tensor([[4.0, 4.0], [5.0, 5.0]])  # slots 2, 1 (another order)
+    rows.push([2, 1], step2, torch.tensor([40, 50]))
+    rows.push([0], torch.tensor([[6.0, 6.0]]), torch.tensor([60]))
+    assert [rows.owes(s) for s in range(3)] == [2, 1, 2]
+    (held, values, tokens, counts), = rows.take([0, 1, 2])
+    assert held == [0, 1, 2] and counts == [2, 1, 2] and values.dtype == torch.float64
+    assert values[:, :, 0].tolist() == [[1.0, 6.0], [5.0, 5.0], [3.0, 4.0]]  # slot 1's padding repeats its row
+    assert tokens.tolist() == [[10, 60], [50, 50], [30, 40]]
+    assert [rows.owes(s) for s in range(3)] == [0, 0, 0]
+
+
+def test_a_push_does_no_tensor_work():
+    rows = DeferredRows(num_slots=2, width=2, dtype=torch.float32, capacity=2)
+    step, step_tokens = torch.ones(2, 2), torch.tensor([5, 6])
+    with torch.profiler.profile() as prof:
+        rows.push([1, 0], step, step_tokens)
+    assert [e.name for e in prof.events() if e.name.startswith("aten::")] == []
+    (_, values, tokens, _), = rows.take([0, 1])
+    assert tokens.tolist() == [[6], [5]] and values.tolist() == [[[1.0, 1.0]], [[1.0, 1.0]]]

@@ -311,15 +311,15 @@ def test_plain_steps_owe_the_drafter_context_and_catch_up_to_a_prefills(debug_ta
 def test_dflash_plain_steps_past_the_capacity_catch_up_and_end_on_a_prefills_context(debug_target, random_drafter):
     engine = Engine(debug_target, str(random_drafter), max_batch=1, max_len=512, max_speculative_batch=0)
     worker = engine.worker
-    worker.deferred = DeferredRows(num_slots=1, width=worker.deferred.values.shape[-1], dtype=torch.float32, capacity=3)
+    worker.deferred = DeferredRows(num_slots=1, width=worker.deferred.width, dtype=torch.float32, capacity=3)
     prompt = engine.encode(PROMPTS[1])
     tokens = [int(worker.prefill([0], [prompt])[0].argmax())]
     for _ in range(7):
         tokens += worker.step([0], [tokens[-1]], [SamplingParams()], [None], 0).tokens[0]
-    assert int(worker.context.committed[0]) == len(prompt) + 6 and worker.deferred.count[0] == 1
+    assert int(worker.context.committed[0]) == len(prompt) + 6 and worker.deferred.owes(0) == 1
     worker.step([0], [tokens[-1]], [SamplingParams()], [None], worker.verify_sizes[0])  # a round catches up first
     n = int(engine.runner.cache.committed[0])
-    assert int(worker.context.committed[0]) == n and worker.deferred.count[0] == 0
+    assert int(worker.context.committed[0]) == n and worker.deferred.owes(0) == 0
     fresh = Engine(debug_target, str(random_drafter), max_batch=1, max_len=512).worker
     fresh.prefill([0], [prompt + tokens[:n - len(prompt)]])
     fresh.catch_up([0])
