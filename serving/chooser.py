@@ -4,7 +4,7 @@ The unit to optimise is emitted tokens per second of batch time. For a group of 
 on one drafter version and each size ``s`` the worker can run (``worker.verify_sizes``; 0 is a
 plain step), the chooser predicts
 
-    tokens/s(s) = B · (1 + E[accepted | s]) / (forward(B, 1 + s) + overhead(B, s))
+    tokens/s(s) = B · (1 + E[accepted | s]) / (speed · (forward(B, 1 + s) + overhead(B, s)))
 
 and runs the best ``s`` — a round only when it beats the plain step by ``MARGIN`` plus the
 two estimates' noise (the standard error of each one's median, relative to it, combined).
@@ -29,6 +29,20 @@ that lost 5–10 % a round speculated for stretches whenever the two estimates d
   pool apart: they draft nothing), which is also what a size not yet run gets (with no round at
   that batch size: the nearest batch size's, scaled by the batch ratio; with none at all: 0).
   Pooling keeps one noisy round from deciding the next hundred;
+- the machine's speed: both terms are kept in seconds at a reference speed, and a prediction is
+  multiplied by the current ``speed`` factor; a round's measurement, divided by it, joins its
+  size's window. Load elsewhere on a shared machine slows every size alike: without the factor
+  the size that runs follows it and the one explored now and then keeps the speed of its last
+  exploration, so a slow minute made rounds measured in a fast one look better by the slowdown
+  (stretches of losing rounds, docs/benchmarks.md, Round cost). The plain step is the probe, per
+  batch size (decisions compare sizes at one batch size): the factor is the median of its last
+  ``SPEED_WINDOW`` plain steps' measured seconds over the table's forward for one row (1 before
+  that many; anchored to the table, so noise cannot walk it away) — the
+  target's forward and nothing of the drafter, whose own cost may change on its own (a
+  speculative size's change joins its window, as before). A stretch of rounds therefore absorbs a change of load into its
+  size's estimate, which the plain steps after it count again: the round then looks slower than
+  it is until its explorations replace those rounds — the cautious side. The factor cancels
+  between sizes in a decision: it only decides which measurements are comparable;
 - ``E[accepted | s]``: from the version's rounds (``ChainAcceptance``: per-position conditional
   acceptance, each position shrunk toward the one before it while it has few rounds, so an
   untried longer chain is predicted from the positions before it; ``BudgetAcceptance`` for
@@ -89,6 +103,7 @@ SHIFT_FACTOR = 1.5  # ... each measured this much above or below what the older 
 POOL_WEIGHT = 4.0  # pseudo-rounds pulling a (batch, size) overhead toward its batch size's pooled mean
 MARGIN = 0.02  # a speculative size must predict this much more than a plain step (plus the estimates' noise)
 MIN_NOISE_ROUNDS = 5  # rounds in a window before its spread is read as the noise of its median
+SPEED_WINDOW = 8  # a batch size's last plain steps whose median measures the machine's speed
 MAX_EXPLORE_GAP = 16  # explorations that confirm the choice space out to this many times explore_every
 PRIOR_ACCEPT = 0.5  # position 1's conditional acceptance before any round (optimistic enough to try)
 SHRINK = 4.0  # pseudo-rounds pulling a position's estimate toward the position before it
@@ -185,7 +200,7 @@ class RoundChooser:
     static: bool = False  # always the largest size (a fixed setting, for comparison)
     explore_every: int = 32
     survival: Callable[[], torch.Tensor] | None = None  # a ragged worker's published survival [R, k] (module doc)
-    overhead: dict[tuple[int, int], tuple[int, float]] = field(default_factory=dict)  # (rounds, median seconds)
+    overhead: dict[tuple[int, int], tuple[int, float]] = field(default_factory=dict)  # (rounds, median seconds at speed 1)
     outcomes: dict[tuple[int, int], _Outcome] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -199,6 +214,8 @@ class RoundChooser:
         # per (batch, size): its last OVERHEAD_WINDOW (round number at that batch size, residual seconds)
         self._residuals: dict[tuple[int, int], deque] = {}
         self._recorded: dict[int, int] = {}  # rounds recorded per batch size, every round size
+        self.speeds: dict[int, float] = {}  # per batch size, the machine's speed factor (module doc); 1 until measured
+        self._plain: dict[int, deque] = {}  # per batch size, its last SPEED_WINDOW plain steps' measured seconds
         self._since = {False: 0, True: 0}  # decisions per kind (plain, speculative) since its last exploration
         self._gap = {False: self.explore_every, True: self.explore_every}  # decisions of a kind between explorations
         self._kind: bool | None = None  # the kind of the last choice that was not an exploration
@@ -214,12 +231,13 @@ class RoundChooser:
         return self.chain.expected(size) if self.budgets is None else self.budgets.expected(size, self.depth)
 
     def predict(self, batch: int, size: int) -> tuple[float, float]:
-        """(tokens, seconds) a round of ``size`` over ``batch`` requests is predicted to give."""
-        return self._predictions(batch, (size,))[size]
+        """(tokens, seconds) a round of ``size`` over ``batch`` requests is predicted to give now."""
+        tokens, seconds = self._predictions(batch, (size,))[size]
+        return tokens, self.speeds.get(batch, 1.0) * seconds
 
     def _predictions(self, batch: int, sizes: tuple[int, ...]) -> dict[int, tuple[float, float]]:
-        """``predict`` for each of ``sizes``, sharing the work they have in common (every decision
-        runs this for every size)."""
+        """(tokens, seconds at speed 1) for each of ``sizes``, sharing the work they have in common
+        (every decision runs this for every size; the speed factor cancels between sizes)."""
         overheads = self._overheads(batch, sizes)
         if self.layout == "ragged":
             curve = self._budget_curve(batch)
@@ -278,7 +296,7 @@ class RoundChooser:
             speculative = self._predictions(batch, sizes)
             if self.survival is None:  # a published survival can change without a round recorded here
                 self._speculative[batch] = speculative
-        predicted = {**self._predictions(batch, (0,)), **speculative}
+        predicted = {**self._predictions(batch, (0,)), **speculative}  # at speed 1
         self._predicted = (batch, predicted)  # what ``record`` compares the round with
         rates = {s: tokens / seconds for s, (tokens, seconds) in predicted.items()}
         best = max(rates, key=lambda s: (rates[s], -s))  # ties: the smaller round
@@ -305,20 +323,23 @@ class RoundChooser:
         outcome.rounds += 1
         outcome.tokens += tokens
         outcome.seconds += seconds
+        speed, measured = self.speeds.get(batch, 1.0), max(seconds - deferred_seconds, 0.0)
         if self.table is not None:
             chosen = self._predicted[1] if self._predicted is not None and self._predicted[0] == batch else {}
-            tokens_predicted, seconds_predicted = chosen[size] if size in chosen else self.predict(batch, size)
+            tokens_predicted, seconds_predicted = chosen[size] if size in chosen else self._predictions(batch, (size,))[size]
             outcome.predicted_tokens += tokens_predicted
-            outcome.predicted_seconds += seconds_predicted
+            outcome.predicted_seconds += speed * seconds_predicted
             forward = self.table.seconds(batch, self.rows(batch, size))
             window = self._residuals.setdefault((batch, size), deque(maxlen=OVERHEAD_WINDOW))
-            window.append((self._recorded.get(batch, 0), seconds - deferred_seconds - forward))
+            if size == 0:
+                self._track_speed(batch, measured, forward)
+            window.append((self._recorded.get(batch, 0), measured / self.speeds.get(batch, 1.0) - forward))
             _drop_before_a_shift(window, forward)
             self.overhead[batch, size] = (len(window), statistics.median(r for _, r in window))
         self._recorded[batch] = self._recorded.get(batch, 0) + 1
         if self._exploring is not None and self._exploring[:2] == (batch, size):
-            interrupted, rate = size == 0, self._exploring[2]
-            confirmed = tokens < rate * max(seconds - deferred_seconds, 0.0)  # it measured a loss
+            interrupted, rate = size == 0, self._exploring[2]  # rate: at speed 1
+            confirmed = tokens < rate * measured / speed  # it measured a loss
             self._gap[interrupted] = (min(2 * self._gap[interrupted], MAX_EXPLORE_GAP * self.explore_every)
                                       if confirmed else self.explore_every)
         self._exploring = self._predicted = None
@@ -330,8 +351,18 @@ class RoundChooser:
                 else:
                     self.budgets.record(size, n, r)
 
+    def _track_speed(self, batch: int, measured: float, forward: float) -> None:
+        """A plain step at ``batch`` took ``measured`` seconds, ``forward`` in the table: the batch
+        size's speed factor is the median of its last ``SPEED_WINDOW`` (once it has that many)
+        over the table's — a lone slow step moves it by nothing, a change of load moves it within
+        a few steps, before a size's window median would follow."""
+        recent = self._plain.setdefault(batch, deque(maxlen=SPEED_WINDOW))
+        recent.append(measured)
+        if len(recent) == SPEED_WINDOW and forward > 0:
+            self.speeds[batch] = statistics.median(recent) / forward
+
     def noise(self, batch: int, size: int) -> float:
-        """The standard error of (batch, size)'s median overhead in seconds, from the spread of its
+        """The standard error of (batch, size)'s median overhead in seconds at speed 1, from the spread of its
         window (1.4826 MAD ~ sigma; a median's standard error ~ 1.2533 sigma / sqrt(n)); 0 with
         fewer than ``MIN_NOISE_ROUNDS`` rounds there: nothing to read it from. Computed only when
         a speculative size is the best (not on every plain step)."""
