@@ -37,9 +37,9 @@ that lost 5–10 % a round speculated for stretches whenever the two estimates d
   (stretches of losing rounds, docs/benchmarks.md, Round cost). The plain step is the probe, per
   batch size (decisions compare sizes at one batch size): the factor is the median of its last
   ``SPEED_WINDOW`` plain steps' measured seconds over the table's forward for one row (1 before
-  that many; anchored to the table, so noise cannot walk it away) — the
-  target's forward and nothing of the drafter, whose own cost may change on its own (a
-  speculative size's change joins its window, as before). A stretch of rounds therefore absorbs a change of load into its
+  that many; anchored to the table, so noise cannot walk it away) — the target's forward and
+  nothing of the drafter, whose own cost may change on its own (a speculative size's change
+  joins its window, as before). A stretch of rounds therefore absorbs a change of load into its
   size's estimate, which the plain steps after it count again: the round then looks slower than
   it is until its explorations replace those rounds — the cautious side. The factor cancels
   between sizes in a decision: it only decides which measurements are comparable;
