@@ -60,7 +60,13 @@ rows included) and emits one token, so exploring every 32 decisions costs 1–2.
 throughput for as long as the drafter loses. Each exploration that *confirms* the choice it
 interrupted — its measured tokens/s below what that choice predicts — doubles the gap to the
 next one, up to ``MAX_EXPLORE_GAP``× ``explore_every`` (under 0.2 % then); one that measures a
-win, or any change of the choice itself, brings the gap back to ``explore_every``.
+win, or any change of the choice itself, brings the gap back to ``explore_every``. A round
+explored from a stretch of plain steps first runs the drafter work they owe (the group's
+prompts and plain rows, ``serving/workers/deferred.py``): about 0.1 s for 16 requests on the
+embedded target, 2–3 % of a batch of 48 tokens. The next exploration at that batch size also
+waits until the plain steps since the last round took ``1 / EXPLORE_BUDGET`` times the owed work
+the last one caught up (at another batch size: scaled by the batch ratio), so catching up costs
+at most ``EXPLORE_BUDGET`` of the time.
 ``max_speculative_batch`` stays an upper bound: a larger group takes plain steps. A chain or
 tree verify is padded (every request of the group runs ``1 + s`` rows), so one size per group
 is the choice per request as well.
@@ -105,6 +111,7 @@ MARGIN = 0.02  # a speculative size must predict this much more than a plain ste
 MIN_NOISE_ROUNDS = 5  # rounds in a window before its spread is read as the noise of its median
 SPEED_WINDOW = 8  # a batch size's last plain steps whose median measures the machine's speed
 MAX_EXPLORE_GAP = 16  # explorations that confirm the choice space out to this many times explore_every
+EXPLORE_BUDGET = 0.01  # the owed drafter work an exploration catches up, at most this share of the plain steps' time
 PRIOR_ACCEPT = 0.5  # position 1's conditional acceptance before any round (optimistic enough to try)
 SHRINK = 4.0  # pseudo-rounds pulling a position's estimate toward the position before it
 LAYOUTS = ("chain", "tree", "ragged")
@@ -219,6 +226,8 @@ class RoundChooser:
         self._since = {False: 0, True: 0}  # decisions per kind (plain, speculative) since its last exploration
         self._gap = {False: self.explore_every, True: self.explore_every}  # decisions of a kind between explorations
         self._kind: bool | None = None  # the kind of the last choice that was not an exploration
+        self._plain_seconds = 0.0  # measured seconds of the plain steps since the last round of size >= 1
+        self._owed_seconds: dict[int, float] = {}  # per batch size, the owed work its last exploration caught up
         self._exploring: tuple[int, int, float] | None = None  # (batch, size, tokens/s of the choice it interrupts)
         self._predicted: tuple[int, dict[int, tuple[float, float]]] | None = None  # the last decision's (batch, predictions)
         # per batch size, the speculative sizes' predictions: only a speculative round's record changes them
@@ -307,7 +316,7 @@ class RoundChooser:
             self._kind, self._gap = kind, {False: self.explore_every, True: self.explore_every}
         self._since[kind] += 1
         self._exploring = None
-        if self._since[kind] >= self._gap[kind]:
+        if self._since[kind] >= self._gap[kind] and self._plain_seconds * EXPLORE_BUDGET >= self._owed(batch, best):
             self._since[kind] = 0
             explored = max(sizes, key=lambda s: (rates[s], -s)) if best == 0 else 0
             self._exploring, best = (batch, explored, rates[best]), explored
@@ -337,6 +346,9 @@ class RoundChooser:
             _drop_before_a_shift(window, forward)
             self.overhead[batch, size] = (len(window), statistics.median(r for _, r in window))
         self._recorded[batch] = self._recorded.get(batch, 0) + 1
+        self._plain_seconds = self._plain_seconds + seconds if size == 0 else 0.0
+        if size and self._exploring is not None and self._exploring[:2] == (batch, size):
+            self._owed_seconds[batch] = deferred_seconds
         if self._exploring is not None and self._exploring[:2] == (batch, size):
             interrupted, rate = size == 0, self._exploring[2]  # rate: at speed 1
             confirmed = tokens < rate * measured / speed  # it measured a loss
@@ -350,6 +362,17 @@ class RoundChooser:
                     self.chain.record(n, r)
                 else:
                     self.budgets.record(size, n, r)
+
+    def _owed(self, batch: int, best: int) -> float:
+        """The owed drafter work the next exploration from plain steps (``best`` 0) is expected to
+        catch up at ``batch``: its last one's, or the nearest batch size's scaled by the batch
+        ratio; 0 when exploring a plain step or before any exploration."""
+        if best or not self._owed_seconds:
+            return 0.0
+        if batch in self._owed_seconds:
+            return self._owed_seconds[batch]
+        nearest = min(self._owed_seconds, key=lambda b: abs(b - batch))
+        return self._owed_seconds[nearest] * batch / nearest
 
     def _track_speed(self, batch: int, measured: float, forward: float) -> None:
         """A plain step at ``batch`` took ``measured`` seconds, ``forward`` in the table: the batch

@@ -397,3 +397,35 @@ def test_a_slower_machine_slows_every_size_alike():
     assert chooser.speeds[1] == pytest.approx(1.15)
     assert chooser.predict(1, 0)[1] == pytest.approx(1.15 * t.seconds(1, 1))
     assert chooser.overhead[1, 0][1] == pytest.approx(0.0, abs=1e-6)  # the plain step's estimate, at speed 1, is unchanged
+
+
+def test_explorations_that_catch_up_costly_owed_work_wait_for_enough_plain_time():
+    """At batch 16 a round explored from plain steps first catches up 0.5 s of drafter work
+    their requests owe. Plain steps of 0.1 s: the next exploration waits for 50 s of them
+    (EXPLORE_BUDGET 1 %), not for the 32 … decisions of the gap; with nothing owed the gap alone
+    decides (the first two explorations 32 and 64 decisions apart)."""
+    t = table(lambda b, r: 0.1 * (1 + 0.3 * (r - 1)), batches=(16,))
+    explored = {}
+    for owed in (0.5, 0.0):
+        chooser = trained(RoundChooser(t, (1, 2, 3), explore_every=32), accept=0.0, rounds=50, batch=16)
+        explored[owed] = []
+        for i in range(1200):
+            size = chooser.choose(16)
+            chooser.record(16, size, t.seconds(16, 1 + size) + (owed if size else 0.0), [size] * 16, [0] * 16, 16,
+                           deferred_seconds=owed if size else 0.0)
+            if size:
+                explored[owed].append(i)
+    assert explored[0.0][:2] == [31, 95]
+    assert explored[0.5][0] == 31 and all(b - a >= 500 for a, b in zip(explored[0.5], explored[0.5][1:]))
+    assert 2 <= len(explored[0.5]) <= 3
+
+
+def test_a_batch_size_not_yet_explored_expects_the_nearest_ones_owed_work_scaled():
+    t = table(lambda b, r: 0.02 * b * (1 + 0.3 * (r - 1)), batches=(1, 2, 4, 8, 16))
+    chooser = trained(RoundChooser(t, (1, 2, 3), explore_every=4), accept=0.0, rounds=50, batch=8)
+    assert chooser._owed(16, 0) == 0.0  # nothing explored yet: the gap alone decides
+    sizes = [chooser.choose(8) for _ in range(4)]
+    assert sizes[:3] == [0, 0, 0] and sizes[3] > 0  # plain steps, then an exploration
+    size = sizes[3]
+    chooser.record(8, size, 0.3, [size] * 8, [0] * 8, 8, deferred_seconds=0.2)
+    assert chooser._owed(8, 0) == 0.2 and chooser._owed(16, 0) == pytest.approx(0.4) and chooser._owed(16, 1) == 0.0
