@@ -347,9 +347,9 @@ class RoundChooser:
             self.overhead[batch, size] = (len(window), statistics.median(r for _, r in window))
         self._recorded[batch] = self._recorded.get(batch, 0) + 1
         self._plain_seconds = self._plain_seconds + seconds if size == 0 else 0.0
-        if size and self._exploring is not None and self._exploring[:2] == (batch, size):
-            self._owed_seconds[batch] = deferred_seconds
         if self._exploring is not None and self._exploring[:2] == (batch, size):
+            if size:  # a round explored from plain steps: the owed work it caught up (``_owed``)
+                self._owed_seconds[batch] = deferred_seconds
             interrupted, rate = size == 0, self._exploring[2]  # rate: at speed 1
             confirmed = tokens < rate * measured / speed  # it measured a loss
             self._gap[interrupted] = (min(2 * self._gap[interrupted], MAX_EXPLORE_GAP * self.explore_every)
