@@ -35,7 +35,7 @@ USER_ERRORS = (ConfigError, ContractMismatchError, ValueError, FileExistsError, 
 
 
 def _cmd_capture(args: argparse.Namespace) -> int:
-    from specray.pipeline.capture_job import run_capture
+    from specray.pipeline.jobs.capture import run_capture
 
     cfg = load_config(CaptureJobConfig, args.config, args.overrides)
     summary = run_capture(cfg, progress=not args.quiet)
@@ -45,7 +45,7 @@ def _cmd_capture(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from specray.pipeline.config import TrainJobConfig
-    from specray.pipeline.train_job import run_training
+    from specray.pipeline.jobs.train import run_training
 
     cfg = load_config(TrainJobConfig, args.config, args.overrides)
     summary = run_training(cfg, progress=not args.quiet)
@@ -75,10 +75,10 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     import json
 
     from specray.pipeline.config import apply_overrides
-    from specray.pipeline.train_job import evaluate_export
+    from specray.pipeline.jobs.train import evaluate_export
 
     if args.manifest is None and not args.live:  # the default: the target's own answers to held-out prompts
-        from specray.pipeline.heldout import heldout_manifest
+        from specray.pipeline.jobs.heldout import heldout_manifest
 
         args.manifest = heldout_manifest(args.target, args.export)
         print(f"held-out   {args.manifest} (the target's greedy answers to held-out ShareGPT prompts)")
@@ -116,7 +116,7 @@ def _live_evaluation(args: argparse.Namespace) -> dict:
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     import json
 
-    from specray.pipeline.calibrate_job import calibrate_export
+    from specray.pipeline.jobs.calibrate import calibrate_export
 
     result = calibrate_export(args.export, args.manifest, target_name=args.target, endpoint_url=args.endpoint_url,
                               bins=args.bins)
@@ -181,21 +181,10 @@ def _add_speculation_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    from specray.capture.target import load_target
-    from specray.serving.cost_table import profile, table_summary
+    from specray.pipeline.bench.profile import profile_machine
 
-    target = load_target(args.target, dtype=args.dtype)
-
-    def progress(done: int, total: int) -> None:
-        print(f"\rprofile    {done}/{total} forwards timed", end="", flush=True)
-
-    table = profile(target, batch_sizes=tuple(args.batch_sizes), rows=tuple(args.rows),
-                    context_tokens=args.context_tokens, repeats=args.repeats, progress=progress)
-    print()
-    table.save(args.out, force=args.force)
-    print(table_summary(table))
-    print(f"wrote {args.out} (ms per forward over {table.context_tokens} context tokens, "
-          f"{table.machine.cpu}, {table.machine.threads} threads, {table.machine.dtype})")
+    profile_machine(args.target, args.out, dtype=args.dtype, batch_sizes=tuple(args.batch_sizes), rows=tuple(args.rows),
+                    context_tokens=args.context_tokens, repeats=args.repeats, force=args.force)
     return 0
 
 
@@ -223,10 +212,10 @@ def _cmd_pipeline(args: argparse.Namespace) -> int:
     import time
 
     from specray.pipeline.config import PipelineConfig
-    from specray.pipeline.pipeline_job import run_pipeline
+    from specray.pipeline.jobs import run_manifest
 
     cfg = load_config(PipelineConfig, args.manifest, args.overrides)
-    report, handle = run_pipeline(cfg, progress=not args.quiet, resume=args.resume)
+    report, handle = run_manifest(cfg, progress=not args.quiet, resume=args.resume)
     print(report.table(), flush=True)
     if handle is None:
         return 0
@@ -244,7 +233,7 @@ def _cmd_pipeline(args: argparse.Namespace) -> int:
 def _cmd_regenerate(args: argparse.Namespace) -> int:
     import time
 
-    from specray.pipeline.regenerate_job import regenerate
+    from specray.pipeline.jobs.regenerate import regenerate
     from specray.serving.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
@@ -300,11 +289,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from specray.pipeline import bench
+    from specray.pipeline.bench.common import write_json
     from specray.pipeline.config import TrainJobConfig
 
     if args.benchmark == "serve":
-        from specray.pipeline import serve_bench
+        from specray.pipeline.bench import serve as serve_bench
 
         result = serve_bench.bench_serve(target_name=args.target, drafter_dir=args.drafter, dataset=args.dataset,
                                    num_prompts=args.num_prompts, max_tokens=args.max_tokens,
@@ -313,14 +302,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                                    **_speculation_options(args))
         table = serve_bench.serve_table(result)
     elif args.benchmark == "load":
-        from specray.pipeline.load_bench import LoadBenchOptions, bench_load, load_table
+        from specray.pipeline.bench.load import LoadBenchOptions, bench_load, load_table
 
         given = {k: getattr(args, k) for k in LoadBenchOptions.model_fields if getattr(args, k, None) is not None}
         result = bench_load(LoadBenchOptions(**given), args.config, args.overrides)
         table = load_table(result)
     elif args.benchmark == "fidelity":
         from specray.capture.target import load_target
-        from specray.pipeline.fidelity import fidelity, fidelity_table
+        from specray.pipeline.bench.fidelity import fidelity, fidelity_table
 
         result = fidelity(load_target(args.target), args.export, dataset=args.dataset, num_prompts=args.num_prompts,
                           max_tokens=args.max_tokens, num_speculative_tokens=args.num_speculative_tokens,
@@ -328,22 +317,26 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         table = fidelity_table(result)
     elif args.benchmark == "step":
         from specray.capture.target import load_target
-        from specray.pipeline.step_bench import bench_step, step_table
+        from specray.pipeline.bench.step import bench_step, step_table
 
         result = bench_step(load_target(args.target, dtype=args.dtype), batch_sizes=tuple(args.batch_sizes),
                             rows=args.rows, context_tokens=args.context_tokens, repeats=args.repeats)
         table = step_table(result)
     elif args.benchmark == "capture":
-        cfg = load_config(CaptureJobConfig, args.config, bench.BENCH_CAPTURE_DEFAULTS + args.overrides)
-        result = bench.bench_capture(cfg, repeats=args.repeats)
-        table = bench.capture_table(result)
+        from specray.pipeline.bench import capture
+
+        cfg = load_config(CaptureJobConfig, args.config, capture.BENCH_CAPTURE_DEFAULTS + args.overrides)
+        result = capture.bench_capture(cfg, repeats=args.repeats)
+        table = capture.capture_table(result)
     else:
-        overrides = ["data.manifest=auto"] + bench.BENCH_TRAIN_DEFAULTS + args.overrides
+        from specray.pipeline.bench import train
+
+        overrides = ["data.manifest=auto"] + train.BENCH_TRAIN_DEFAULTS + args.overrides
         cfg = load_config(TrainJobConfig, args.config, overrides)
-        result = bench.bench_train(cfg)
-        table = bench.train_table(result)
+        result = train.bench_train(cfg)
+        table = train.train_table(result)
     result["command"] = "specray " + " ".join(args.argv)
-    bench.write_json(result, args.json)
+    write_json(result, args.json)
     print(table)
     if args.json:
         print(f"wrote {args.json}")
@@ -384,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--manifest", default=None,
                           help="features to evaluate on (default without --live: the target's own greedy answers to "
                                "held-out ShareGPT prompts under the export's contract, built on first use and cached; "
-                               "pipeline/heldout.py)")
+                               "pipeline/jobs/heldout.py)")
     evaluate.add_argument("--live", action="store_true",
                           help="decode held-out prompts greedily on the serving engine, verifying the largest round "
                                "every round: tau_live and acceptance by position (as `specray bench serve` measures)")
@@ -515,7 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_train.add_argument("overrides", nargs="*", metavar="section.field=value")
     bench_train.set_defaults(fn=_cmd_bench)
     bench_fid = bench_sub.add_parser("fidelity", help="teacher-forced accuracy against served acceptance, decomposed "
-                                                      "(pipeline/fidelity.py)")
+                                                      "(pipeline/bench/fidelity.py)")
     bench_fid.add_argument("export", help="an exported drafter directory")
     bench_fid.add_argument("--json", help="write the result (with every round's anchor and acceptance) here")
     bench_fid.add_argument("--dataset", default="mtbench", help="prompts: mtbench, humaneval or jsonl:PATH")
@@ -529,7 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_fid.add_argument("--endpoint-url", default=None, help="S3 endpoint when --heldout is on s3://")
     bench_fid.set_defaults(fn=_cmd_bench, config=None, overrides=[])
     bench_step = bench_sub.add_parser("step", help="where one target forward's time goes, by batch size: op kinds "
-                                                   "and the product chain per kernel (pipeline/step_bench.py)")
+                                                   "and the product chain per kernel (pipeline/bench/step.py)")
     bench_step.add_argument("--json", help="write the result here")
     bench_step.add_argument("--target", default=DEFAULT_TARGET)
     bench_step.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -539,12 +532,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_step.add_argument("--repeats", type=int, default=7, help="forwards per timing (median) and per profile")
     bench_step.set_defaults(fn=_cmd_bench, config=None, overrides=[])
     bench_load = bench_sub.add_parser("load", help="streaming OpenAI clients on Serve replicas while a new drafter, "
-                                                   "a corrupt one and a replica kill happen (pipeline/load_bench.py)")
+                                                   "a corrupt one and a replica kill happen (pipeline/bench/load.py)")
     bench_load.add_argument("--json", help="write the result here")
     bench_load.add_argument("--drafter", required=True, help="export the replicas serve first")
     bench_load.add_argument("--next-drafter", default=None, help="export hot-loaded mid-run (default: --drafter again)")
     bench_load.add_argument("-c", "--config", help="serve YAML to start from (e.g. manifests/serve.yaml)")
-    for field, kind, text in (  # unset: LoadBenchOptions' defaults (pipeline/load_bench.py)
+    for field, kind, text in (  # unset: LoadBenchOptions' defaults (pipeline/bench/load.py)
             ("clients", int, "concurrent streaming clients (4)"), ("minutes", float, "length of the run (2)"),
             ("max_tokens", int, "tokens per answer at most (64)"), ("replicas", int, "Serve replicas, >= 2 (2)"),
             ("num_prompts", int, "distinct prompts, each with an AR reference (16)"),

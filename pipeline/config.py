@@ -489,7 +489,7 @@ class PipelineConfig(JobConfig):
         "offline", description="offline: capture everything, then train on the manifest; online: capture actors "
                                "and the trainer gang run at once, consume-once, bounded store; closed_loop: serve, "
                                "record the traffic and retrain on it online, version after version "
-                               "(pipeline/closed_loop_job.py)",
+                               "(pipeline/jobs/closed_loop.py)",
     )
     ray: RaySection = RaySection()
     target: TargetConfig = TargetConfig()

@@ -1,9 +1,9 @@
 """Assembling a training run: what one rank trains, built the same way for every driver.
 
-``specray train`` (``pipeline/train_job.py``) and the Ray trainer gang (``actors/trainer.py``)
+``specray train`` (``pipeline/jobs/train.py``) and the Ray trainer gang (``actors/trainer.py``)
 hand this module a ``TrainSpec`` — plain values and the validated ``drafter`` / ``objective``
 sections, no pipeline config — and get the same target, drafter, strategy and ``TrainerCore``
-back (``build_rank``); the one-accelerator path (``pipeline/onegpu.py``) builds its drafters
+back (``build_rank``); the one-accelerator path (``pipeline/jobs/onegpu.py``) builds its drafters
 with the same ``fresh_drafter``. The algorithm comes from the registries
 (``specray.drafters.DRAFTERS``, ``specray.trainer.strategies.STRATEGIES``): the drafter section
 derives its model config (``drafter_config``), the strategy builds the model.

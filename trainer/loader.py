@@ -65,7 +65,7 @@ class TrainBatch:
     sample_ids: list[str]
     num_tokens: int  # real tokens in the batch (attention_mask.sum())
     # [B, T] bool: the only positions a block (or chain) may start at, e.g. the anchors a served
-    # round used (pipeline/fidelity.py); None = every valid anchor (training)
+    # round used (pipeline/bench/fidelity.py); None = every valid anchor (training)
     anchor_mask: torch.Tensor | None = None
 
 

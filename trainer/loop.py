@@ -3,7 +3,7 @@
 ``TrainRun`` is one rank's training state around a ``TrainerCore``: the optimizer step counter,
 tokens seen and metric records. ``specray train`` (``Trainer`` below), the Ray trainer gang
 (``actors/trainer.py``, which adds the ledger and Ray's checkpoint protocol) and the
-one-accelerator path (``pipeline/onegpu.py``) all train through ``TrainRun.train_step`` and
+one-accelerator path (``pipeline/jobs/onegpu.py``) all train through ``TrainRun.train_step`` and
 checkpoint through ``TrainRun.save`` / ``TrainRun.load``.
 
 A metrics record (every ``log_every`` steps, and whenever a driver flushes, e.g. before a

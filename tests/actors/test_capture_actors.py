@@ -9,7 +9,7 @@ from specray.capture.contract import build_contract
 from specray.capture.data import ChatRenderer, Conversation
 from specray.capture.server import CaptureServer, pack_batches
 from specray.capture.store import FeatureStore, read_manifest
-from specray.pipeline.capture_job import run_capture, run_capture_on_ray
+from specray.pipeline.jobs.capture import run_capture, run_capture_on_ray
 from specray.pipeline.config import CaptureJobConfig, load_config
 
 pytestmark = pytest.mark.ray

@@ -28,7 +28,7 @@ from specray.capture.contract import CONTRACT_SPECS, build_contract
 from specray.drafters import DRAFTERS
 from specray.drafters.format import save_drafter
 from specray.kernels import rejection
-from specray.pipeline.capture_job import run_capture
+from specray.pipeline.jobs.capture import run_capture
 from specray.pipeline.config import CaptureJobConfig, TrainJobConfig, load_config
 from specray.serving.workers import WORKERS
 from specray.trainer.checkpoint import load_checkpoint

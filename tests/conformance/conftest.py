@@ -11,7 +11,7 @@ import pytest
 from conformance_kit import (MAX_NEW, PROMPTS, REGISTRIES, build_drafter, debug_run, frequent_tokens, hf_greedy,
                              one_thread, read_golden, registered)
 
-from specray.pipeline.train_job import run_training
+from specray.pipeline.jobs.train import run_training
 from specray.serving.requests import encode_prompt
 
 

@@ -1,4 +1,4 @@
-"""Train→serve fidelity (pipeline/fidelity.py) for every registered algorithm on the debug target.
+"""Train→serve fidelity (pipeline/bench/fidelity.py) for every registered algorithm on the debug target.
 
 Under greedy decoding a served round's first draft and the teacher-forced position-1 prediction
 at that round's anchor answer the same question, so on the target's own greedy answers they must
@@ -12,7 +12,7 @@ import pytest
 import torch
 from conformance_kit import MAX_NEW, PROMPTS, VOCAB_OF_KIND, export
 
-from specray.pipeline.fidelity import live_summary, position1_by_round, teacher_forced, trace_live
+from specray.pipeline.bench.fidelity import live_summary, position1_by_round, teacher_forced, trace_live
 from specray.serving.engine import Engine
 from specray.serving.requests import encode_prompt
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conformance_kit import GOLDEN_STEPS, UPDATE_GOLDEN, final_weights, golden_path, losses, read_golden, records
 
-from specray.pipeline.train_job import run_training
+from specray.pipeline.jobs.train import run_training
 from specray.trainer.assembly import build_trainer
 
 

@@ -17,9 +17,9 @@ import pytest
 from specray.capture.contract import build_contract
 from specray.drafters import dflash, eagle3
 from specray.drafters.format import save_drafter
-from specray.pipeline import serve_bench as bench
-from specray.pipeline.serve_bench import (VLLM_ENV, VLLM_NGRAM, _Generated, _paired_ratio, _timed, _vllm_drafter_lines,
-                                          bench_serve, serve_table, vllm_systems)
+from specray.pipeline.bench.serve import VLLM_ENV, VLLM_NGRAM, _vllm_drafter_lines, bench_serve, serve_table, vllm_systems
+from specray.serving import sidebyside
+from specray.serving.sidebyside import Generated, paired_ratio, timed
 
 DRAFTERS = {"dflash": (dflash.debug_config, dflash.DFlashDrafter), "eagle3": (eagle3.debug_config, eagle3.Eagle3Drafter)}
 
@@ -46,11 +46,11 @@ def test_timed_takes_turns_per_chunk_and_takes_the_median(monkeypatch):
         def run(chunk):
             calls.append((name, chunk[0][0]))
             clock[0] += durations[name][sum(c == name for c, _ in calls) - 1]
-            return _Generated([[len(calls)]], rounds=[1, 2] if name == "b" else None)
+            return Generated([[len(calls)]], rounds=[1, 2] if name == "b" else None)
         return run
 
-    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
-    result = _timed({"a": system("a"), "b": system("b")}, [[[10]]], repeats=3)
+    monkeypatch.setattr(sidebyside.time, "perf_counter", lambda: clock[0])
+    result = timed({"a": system("a"), "b": system("b")}, [[[10]]], repeats=3)
     assert calls == [("a", 10), ("b", 10), ("b", 10), ("a", 10), ("a", 10), ("b", 10)]
     assert result["a"][0] == 2.0 and result["b"][0] == 3.0
     assert result["a"][2] == [1.0, 5.0, 2.0] and result["a"][3] == [[1.0], [5.0], [2.0]]
@@ -58,7 +58,7 @@ def test_timed_takes_turns_per_chunk_and_takes_the_median(monkeypatch):
     assert result["a"][1].tau is None and result["b"][1].tau == 1.5
 
     calls.clear()
-    result = _timed({"a": system("a"), "b": system("b")}, [[[10]], [[20]]], repeats=1)
+    result = timed({"a": system("a"), "b": system("b")}, [[[10]], [[20]]], repeats=1)
     assert calls == [("a", 10), ("b", 10), ("b", 20), ("a", 20)]
     assert result["a"][1].tokens == [[1], [4]] and result["b"][1].rounds == [1, 2, 1, 2]
     assert result["a"][3] == [[1.0, 5.0]] and result["b"][3] == [[3.0, 3.0]]  # chunk by chunk
@@ -72,14 +72,14 @@ def test_paired_ratio_pools_every_chunk_pair_with_a_bootstrap_interval():
     """The ratio of summed seconds over every chunk both systems ran (a system twice as fast on
     every chunk: exactly 2, an interval of width 0); noisy pairs give an interval around it that
     narrows with more pairs, and the same timings give the same interval."""
-    exact = _paired_ratio(_run([[1.0, 2.0], [3.0, 4.0]]), _run([[2.0, 4.0], [6.0, 8.0]]))
+    exact = paired_ratio(_run([[1.0, 2.0], [3.0, 4.0]]), _run([[2.0, 4.0], [6.0, 8.0]]))
     assert exact == {"ratio": pytest.approx(2.0), "ci95": [pytest.approx(2.0), pytest.approx(2.0)], "pairs": 4}
-    assert _paired_ratio(_run([[1.0]], tokens=50), _run([[1.0]]))["ratio"] == pytest.approx(0.5)  # tokens/s, not seconds
+    assert paired_ratio(_run([[1.0]], tokens=50), _run([[1.0]]))["ratio"] == pytest.approx(0.5)  # tokens/s, not seconds
 
     def noisy(passes: int) -> dict:
         base = [[1.0 + 0.1 * ((7 * p + c) % 5) for c in range(4)] for p in range(passes)]
         run = [[b * (0.9 if (p + c) % 2 else 1.1) for c, b in enumerate(row)] for p, row in enumerate(base)]
-        return _paired_ratio(_run(run), _run(base))
+        return paired_ratio(_run(run), _run(base))
 
     few, many = noisy(2), noisy(32)
     for paired in (few, many):

@@ -1,4 +1,4 @@
-"""The closed loop (``mode: closed_loop``, pipeline/closed_loop_job.py) on the debug target.
+"""The closed loop (``mode: closed_loop``, pipeline/jobs/closed_loop.py) on the debug target.
 
 - Configs: an iteration is a valid online pipeline from the current drafter on its snapshot;
   the loop refuses to run without serving or with autoscaled replicas.
@@ -18,7 +18,7 @@ import torch
 from specray.capture.contract import build_contract
 from specray.drafters.dflash import DFlashDrafter
 from specray.drafters.format import save_drafter
-from specray.pipeline.closed_loop_job import _versions, derived_config
+from specray.pipeline.jobs.closed_loop import _versions, derived_config
 from specray.pipeline.config import ConfigError, PipelineConfig, load_config
 
 
@@ -61,7 +61,7 @@ def test_an_iteration_is_an_online_pipeline_from_the_current_drafter(tmp_path):
 
 
 def test_an_export_of_another_architecture_is_refused_before_serving(debug_target, tmp_path):
-    from specray.pipeline.closed_loop_job import check_starts_from
+    from specray.pipeline.jobs.closed_loop import check_starts_from
 
     section = load_config(PipelineConfig, "manifests/closed-loop.yaml", TINY).train.drafter
     export = _export(debug_target, section, tmp_path / "export")
@@ -117,7 +117,7 @@ def _shard(store, replica: str, name: str, ids: list[str], cut: tuple[str, ...] 
 def test_an_iteration_takes_the_oldest_untaken_shards_and_the_state_keeps_them(tmp_path):
     """Shards another iteration took (the state file, which --resume reads) are never taken again;
     the oldest others are taken whole until they hold records_per_iteration records."""
-    from specray.pipeline.closed_loop_job import _Loop, _LoopState
+    from specray.pipeline.jobs.closed_loop import _Loop, _LoopState
     from specray.serving.recorder import RecordSettings
 
     store = tmp_path / "records"
@@ -150,14 +150,14 @@ def test_an_iteration_takes_the_oldest_untaken_shards_and_the_state_keeps_them(t
 @pytest.mark.ray
 def test_two_iterations_publish_two_versions_that_every_replica_hot_loads(ray_cluster, debug_target, tmp_path):
     from ports import free_port
-    from specray.pipeline.pipeline_job import run_pipeline
+    from specray.pipeline.jobs import run_manifest
     from specray.serving.registry import DrafterRegistry
 
     overrides = [*TINY, f"output.run_dir={tmp_path / 'loop'}", f"serve.http.port={free_port()}"]
     section = load_config(PipelineConfig, "manifests/closed-loop.yaml", overrides).train.drafter
     initial = _export(debug_target, section, tmp_path / "chat-drafter")
     cfg = load_config(PipelineConfig, "manifests/closed-loop.yaml", [*overrides, f"train.drafter.init_from={initial}"])
-    report, handle = run_pipeline(cfg, progress=False)
+    report, handle = run_manifest(cfg, progress=False)
     print(report.table())
     assert handle is None
 

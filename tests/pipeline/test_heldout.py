@@ -1,4 +1,4 @@
-"""The default held-out set (pipeline/heldout.py) and `specray evaluate EXPORT` reporting on it."""
+"""The default held-out set (pipeline/jobs/heldout.py) and `specray evaluate EXPORT` reporting on it."""
 
 import json
 
@@ -9,7 +9,7 @@ from specray.capture.contract import build_contract
 from specray.capture.store import read_manifest
 from specray.drafters import DRAFTERS
 from specray.drafters.format import save_drafter
-from specray.pipeline import heldout
+from specray.pipeline.jobs import heldout
 from specray.pipeline.cli import main
 
 

@@ -7,7 +7,7 @@ from fastapi.testclient import TestClient
 
 from specray.actors.serve import application
 from specray.pipeline.config import ConfigError, PipelineConfig, ServeJobConfig, load_config
-from specray.pipeline.serve_app import build_app
+from specray.pipeline.jobs.serve import build_app
 from specray.serving.http_guard import HttpLimits
 from specray.serving.openai_api import create_app
 

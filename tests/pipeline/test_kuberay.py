@@ -76,14 +76,14 @@ def test_the_rayjob_entrypoint_finishes_with_everything_on_s3(ray_cluster, seawe
 def test_rayservice_serve_config_validates_and_builds_the_app():
     from ray.serve.schema import ServeDeploySchema
 
-    from specray.pipeline.serve_app import build_app
+    from specray.pipeline.jobs.serve import build_app
 
     service = yaml.safe_load((KUBERAY / "rayservice.yaml").read_text())
     assert service["kind"] == "RayService"
     serve_config = ServeDeploySchema.model_validate(yaml.safe_load(service["spec"]["serveConfigV2"]))
     (app,) = serve_config.applications
     module, name = app.import_path.split(":")
-    assert (module, name) == ("specray.pipeline.serve_app", "build_app")
+    assert (module, name) == ("specray.pipeline.jobs.serve", "build_app")
     built = build_app(app.args)
     assert type(built).__name__ == "Application"
 

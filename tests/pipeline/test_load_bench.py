@@ -10,9 +10,8 @@ import torch
 from specray.capture.contract import build_contract
 from specray.drafters.dflash import DFlashDrafter, debug_config
 from specray.drafters.format import InvalidDrafterError, save_drafter
-from specray.pipeline.load_bench import (
+from specray.pipeline.bench.load import (
     LoadBenchOptions,
-    StreamAttempt,
     _corrupt_copy,
     _failures,
     _greedy,
@@ -20,6 +19,7 @@ from specray.pipeline.load_bench import (
     bench_load,
     load_table,
 )
+from specray.pipeline.jobs.clients import StreamAttempt
 from specray.serving.engine import Engine
 
 

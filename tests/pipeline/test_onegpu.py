@@ -1,4 +1,4 @@
-"""pipeline/onegpu.py on the debug target (CPU; the cuda test runs where a GPU is present):
+"""pipeline/jobs/onegpu.py on the debug target (CPU; the cuda test runs where a GPU is present):
 answers equal the engine's greedy answers, in-memory features equal CaptureServer's, variants
 train side by side and export to drafters the engine serves, exports refuse another target."""
 
@@ -13,7 +13,7 @@ from specray.capture.data import ChatRenderer, Conversation
 from specray.capture.server import CaptureServer
 from specray.capture.store import FeatureStore
 from specray.drafters.format import load_drafter
-from specray.pipeline import onegpu
+from specray.pipeline.jobs import onegpu
 from specray.serving.engine import Engine
 from specray.serving.sampling import SamplingParams
 

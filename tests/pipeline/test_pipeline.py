@@ -71,7 +71,7 @@ def _kill_one_capture_actor(address: str, done: threading.Event, killed: list) -
 
 def _run_while_killing(cfg, kill, *args):
     """run_pipeline(cfg) while ``kill(*args, done, killed)`` runs on a thread; (report, handle, killed pids)."""
-    from specray.pipeline.pipeline_job import run_pipeline
+    from specray.pipeline.jobs.pipeline import run_pipeline
 
     done, killed = threading.Event(), []
     killer = threading.Thread(target=kill, args=(*args, done, killed), daemon=True)
@@ -182,7 +182,7 @@ def _kill_driver_after_a_checkpoint(ray_cluster, manifest: str, overrides: list[
 
 def test_online_pipeline_resumes_after_its_driver_is_killed(ray_cluster, tmp_path):
     """SIGKILL the driver after the first checkpoint; ``--resume`` finishes the stream exactly once."""
-    from specray.pipeline.pipeline_job import run_pipeline
+    from specray.pipeline.jobs.pipeline import run_pipeline
     from specray.trainer.ledger import Ledger
 
     run_dir = tmp_path / "online"
@@ -213,7 +213,7 @@ def test_online_pipeline_resumes_after_its_driver_is_killed(ray_cluster, tmp_pat
 
 def test_offline_pipeline_resumes_after_its_driver_is_killed(ray_cluster, tmp_path):
     """SIGKILL the driver after the gang's first checkpoint; ``--resume`` reuses the capture and trains to the end."""
-    from specray.pipeline.pipeline_job import manifest_uri, run_pipeline
+    from specray.pipeline.jobs.pipeline import manifest_uri, run_pipeline
     from specray.trainer.ledger import Ledger
 
     run_dir = tmp_path / "offline"
@@ -247,7 +247,7 @@ def test_the_ray_object_store_is_refused_for_offline_runs():
 
 
 def test_a_run_dir_not_made_by_a_pipeline_is_never_replaced(tmp_path):
-    from specray.pipeline.pipeline_job import run_pipeline
+    from specray.pipeline.jobs.pipeline import run_pipeline
 
     precious = tmp_path / "precious"
     precious.mkdir()
@@ -263,8 +263,8 @@ def test_online_capture_failure_ends_the_run_promptly_with_its_error(ray_cluster
     import ray
 
     from specray.actors import broker as broker_module
-    from specray.pipeline import pipeline_job
-    from specray.pipeline.pipeline_job import run_pipeline
+    from specray.pipeline.jobs import pipeline as pipeline_job
+    from specray.pipeline.jobs.pipeline import run_pipeline
 
     deliver, start_broker = pipeline_job._Producer._deliver, broker_module.start_sample_broker
     delivered, brokers = [], []
@@ -321,7 +321,8 @@ def test_a_fresh_run_on_storage_holding_an_earlier_run_is_refused(request, tmp_p
 
     from specray.actors import cluster
     from specray.capture.store import open_fs
-    from specray.pipeline.pipeline_job import MARKER, run_pipeline
+    from specray.pipeline.jobs.pipeline import run_pipeline
+    from specray.pipeline.jobs.rundir import MARKER
     from specray.trainer.ledger import Ledger
 
     def connect(*args, **kwargs):

@@ -5,7 +5,7 @@ proxy to 0.0.0.0 where specray cannot check it."""
 import pytest
 from fastapi.testclient import TestClient
 
-from specray.pipeline.serve_app import build_app
+from specray.pipeline.jobs.serve import build_app
 from specray.serving.openai_api import create_app
 
 

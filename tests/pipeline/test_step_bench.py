@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from specray.kernels import decode_cpu
-from specray.pipeline.step_bench import KINDS, OTHER, PYTHON, bench_step, kind_of, step_table
+from specray.pipeline.bench.step import KINDS, OTHER, PYTHON, bench_step, kind_of, step_table
 
 
 def test_op_kinds():

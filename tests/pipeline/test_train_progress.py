@@ -5,7 +5,7 @@ import json
 from types import SimpleNamespace
 
 from specray.pipeline.config import PipelineConfig, load_config
-from specray.pipeline.pipeline_job import _train_summary, _TrainProgress
+from specray.pipeline.jobs.pipeline import _train_summary, _TrainProgress
 
 
 def _record(step: int, **extra) -> dict:

@@ -8,7 +8,7 @@ import torch
 from specray.capture.contract import build_contract
 from specray.drafters.dflash import DFlashConfig, DFlashDrafter
 from specray.drafters.format import save_drafter
-from specray.pipeline.serve_bench import bench_serve
+from specray.pipeline.bench.serve import bench_serve
 from specray.serving.live_eval import LiveEvalSettings, LiveEvaluator, prompt_turns
 
 REPEATED = 226  # a token the debug target's greedy answers repeat (mtbench prompt 2: 226 226 226 …)

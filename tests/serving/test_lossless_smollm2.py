@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from specray.capture.data import load_conversations
-from specray.pipeline.capture_job import run_capture
+from specray.pipeline.jobs.capture import run_capture
 from specray.pipeline.config import CaptureJobConfig, TrainJobConfig, load_config
-from specray.pipeline.train_job import run_training
+from specray.pipeline.jobs.train import run_training
 from specray.serving.engine import Engine
 from specray.serving.sampling import SamplingParams
 from specray.trainer.export import export_checkpoint

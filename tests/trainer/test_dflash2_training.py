@@ -12,9 +12,9 @@ from specray.capture.contract import build_contract
 from specray.capture.target import load_target
 from specray.drafters import dflash
 from specray.drafters.format import save_drafter
-from specray.pipeline.capture_job import run_capture
+from specray.pipeline.jobs.capture import run_capture
 from specray.pipeline.config import CaptureJobConfig, TrainJobConfig, load_config
-from specray.pipeline.train_job import build_trainer
+from specray.pipeline.jobs.train import build_trainer
 
 
 @pytest.fixture(scope="module")

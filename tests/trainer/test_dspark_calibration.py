@@ -13,7 +13,7 @@ from specray.capture.contract import build_contract
 from specray.capture.store import read_manifest
 from specray.drafters import dspark
 from specray.drafters.format import InvalidDrafterError, load_drafter, save_drafter
-from specray.pipeline.capture_job import run_capture
+from specray.pipeline.jobs.capture import run_capture
 from specray.pipeline.cli import main
 from specray.pipeline.config import CaptureJobConfig, load_config
 from specray.serving.registry import DrafterRegistry

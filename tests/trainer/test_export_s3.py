@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file
 
 from specray.capture.store import open_fs
-from specray.pipeline.capture_job import run_capture
+from specray.pipeline.jobs.capture import run_capture
 from specray.pipeline.config import CaptureJobConfig, TrainJobConfig, load_config
-from specray.pipeline.train_job import build_trainer
+from specray.pipeline.jobs.train import build_trainer
 from specray.trainer.checkpoint import load_checkpoint
 from specray.trainer.export import export_checkpoint
 

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from specray.pipeline.capture_job import run_capture
+from specray.pipeline.jobs.capture import run_capture
 from specray.pipeline.config import CaptureJobConfig, TrainJobConfig, load_config
-from specray.pipeline.train_job import run_training
+from specray.pipeline.jobs.train import run_training
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,9 @@ from specray.capture.contract import ContractMismatchError
 from specray.capture.store import FeatureNotFoundError, FeatureStore, read_manifest
 from specray.capture.target import load_target
 from specray.drafters.format import InvalidDrafterError, load_drafter
-from specray.pipeline.capture_job import run_capture
+from specray.pipeline.jobs.capture import run_capture
 from specray.pipeline.config import CaptureJobConfig, ConfigError, TrainJobConfig, load_config
-from specray.pipeline.train_job import build_trainer, run_training
+from specray.pipeline.jobs.train import build_trainer, run_training
 from specray.trainer.export import export_checkpoint
 
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from specray.pipeline.capture_job import run_capture
+from specray.pipeline.jobs.capture import run_capture
 from specray.pipeline.config import CaptureJobConfig, TrainJobConfig, load_config
-from specray.pipeline.train_job import build_trainer
+from specray.pipeline.jobs.train import build_trainer
 from specray.trainer.strategies.dflash import DFlashObjective, DFlashStrategy
 
 

@@ -29,7 +29,7 @@ the overlap ``Σ c*``, the confidence ``Σ c``, and a calibration histogram (con
 count / Σ c / Σ c*) from which ``summarize`` computes the expected calibration error per
 position; plus the teacher-forced accepted length (``tau_tf − 1``).
 
-**Sequential Temperature Scaling** (seed §5.4; ``specray calibrate``, ``pipeline/calibrate_job.py``).
+**Sequential Temperature Scaling** (seed §5.4; ``specray calibrate``, ``pipeline/jobs/calibrate.py``).
 The scheduler reads the predicted survival ``A_k = ∏_{i<=k} σ(z_i / T_i)`` as an absolute number, so
 slight over-confidence compounds along the block. On held-out blocks (``confidence_rows``: the
 confidence logits ``z`` and the teacher-forced overlaps ``c*``) the observed survival is

@@ -55,11 +55,11 @@ import openai
 import ray
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from specray.pipeline.bench import _environment
+from specray.pipeline.jobs.clients import TRUNCATED, StreamAttempt, stream_chat
 from specray.pipeline.config import ServeJobConfig, load_config
+from specray.serving.sidebyside import environment
 
 SAMPLE_INTERVAL_S = 0.5  # the driver reads /metrics this often during the run
-TRUNCATED = "stream ended without a finish reason"  # a failure the openai client does not raise
 BAD_EXPORT_FAULT = "corrupt weights (model.safetensors bytes flipped; sha256 differs from export.json)"
 
 
@@ -234,70 +234,6 @@ class _Monitor:
             if len(fresh) >= replicas:
                 return
             time.sleep(0.2)
-
-
-# -- the clients -------------------------------------------------------------------------
-
-
-@dataclass
-class StreamAttempt:
-    """One HTTP request of one client; times in seconds from the start of the run."""
-
-    client: int
-    request: int  # the client's n-th request (its retries share it)
-    retry: int  # 0 = first attempt
-    prompt: int
-    start_s: float
-    end_s: float = 0.0
-    ttft_s: float | None = None
-    tpot_s: float | None = None  # (last token time - first token time) / (tokens - 1)
-    tokens: int = 0
-    text: str = ""
-    finish_reason: str | None = None
-    fingerprint: str | None = None  # specray-drafter-vN, or specray-ar
-    error: str | None = None  # the reason, grouped in the report
-    detail: str | None = None  # the error's message
-    server_error: bool = False  # the server answered with an error (a status or an error event in the stream)
-
-    @property
-    def retryable(self) -> bool:
-        return self.error is not None and (not self.error.startswith("HTTP 4") or self.error == "HTTP 429")
-
-
-def stream_chat(client: openai.OpenAI, model: str, messages: list[dict], max_tokens: int, attempt: StreamAttempt,
-                t0: float) -> None:
-    """One streaming greedy chat completion, recorded into ``attempt``."""
-    start, first, last, parts = time.monotonic(), None, None, []
-    try:
-        stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
-                                                stream=True, stream_options={"include_usage": True})
-        for chunk in stream:
-            attempt.fingerprint = chunk.system_fingerprint or attempt.fingerprint
-            if chunk.usage is not None:
-                attempt.tokens = chunk.usage.completion_tokens
-            for choice in chunk.choices:
-                if choice.delta.content:
-                    last = time.monotonic()
-                    first = first or last
-                    parts.append(choice.delta.content)
-                attempt.finish_reason = choice.finish_reason or attempt.finish_reason
-    except openai.APIStatusError as e:
-        attempt.error, attempt.detail, attempt.server_error = f"HTTP {e.status_code}", str(e.message)[:300], True
-    except openai.APITimeoutError as e:
-        attempt.error, attempt.detail = "timeout", str(e)[:300]
-    except openai.APIConnectionError as e:
-        attempt.error, attempt.detail = f"connection failed: {type(e.__cause__).__name__}", str(e.__cause__)[:300]
-    except openai.APIError as e:  # an error event inside a 200 stream
-        attempt.error, attempt.detail, attempt.server_error = "error event in the stream", str(e.body or e.message)[:300], True
-    except httpx2.TransportError as e:  # the connection dropped while the stream was read (openai's HTTP client)
-        attempt.error, attempt.detail = f"stream dropped: {type(e).__name__}", str(e)[:300]
-    attempt.end_s = time.monotonic() - t0
-    if attempt.error is None and attempt.finish_reason is None:
-        attempt.error = TRUNCATED
-    attempt.text = "".join(parts)
-    if first is not None:
-        attempt.ttft_s = first - start
-        attempt.tpot_s = (last - first) / (attempt.tokens - 1) if attempt.tokens > 1 else None
 
 
 def _client_loop(i: int, options: LoadBenchOptions, handle, prompts: list[list[dict]], t0: float, deadline: float,
@@ -491,7 +427,7 @@ def _report(options: LoadBenchOptions, cfg: ServeJobConfig, references: list[_Re
         "replicas": replicas, "metrics_read_errors": dict(monitor.errors),
         "checks": _checks(run, failures, greedy, versions, replicas),
         "attempts": [asdict(a) | {"text": None} for a in run.attempts if a.error or a.retry],
-        "environment": _environment() | {"load_average_at_start": run.load_average_at_start},
+        "environment": environment() | {"load_average_at_start": run.load_average_at_start},
     }
 
 

@@ -53,7 +53,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specray.pipeline.config import PipelineConfig
-from specray.pipeline.pipeline_job import MARKER, _fresh_run_dir, run_pipeline
+from specray.pipeline.jobs.pipeline import run_pipeline
+from specray.pipeline.jobs.rundir import MARKER, fresh_run_dir, resumable_run_dir
 
 STATE = "closed-loop.json"
 POLL_S = 1.0  # seconds between reads of the record store and of /metrics while waiting
@@ -99,7 +100,7 @@ def run_closed_loop(cfg: PipelineConfig, *, progress: bool = True, resume: bool 
     from specray.actors.serve import start_serving
     from specray.serving.registry import DrafterRegistry
 
-    run_dir = _resumed_run_dir(cfg.run_dir) if resume else _fresh_run_dir(cfg.run_dir)
+    run_dir = resumable_run_dir(cfg.run_dir) if resume else fresh_run_dir(cfg.run_dir)
     report = ClosedLoopReport(cfg.name, cfg.mode, str(run_dir.resolve()))
     state = _LoopState(run_dir / STATE)
     connect(cfg.ray.address, cfg.ray.num_cpus)
@@ -132,13 +133,6 @@ def run_closed_loop(cfg: PipelineConfig, *, progress: bool = True, resume: bool 
         handle.stop()
         handle = None
     return report, handle
-
-
-def _resumed_run_dir(run_dir: Path) -> Path:
-    if not (run_dir / MARKER).exists():
-        raise FileNotFoundError(f"nothing to resume: {run_dir} is not a pipeline run dir (no {MARKER}); run "
-                                "without --resume to start the closed loop")
-    return run_dir
 
 
 def serve_config(cfg: PipelineConfig):
@@ -443,7 +437,7 @@ class _LoadGenerator:
     def _client(self, i: int) -> None:
         import openai
 
-        from specray.pipeline.load_bench import StreamAttempt, stream_chat
+        from specray.pipeline.jobs.clients import StreamAttempt, stream_chat
 
         client = openai.OpenAI(base_url=self.handle.base_url, api_key=self.handle.api_key or "unused",
                                timeout=self.options.request_timeout_s, max_retries=0)

@@ -219,7 +219,7 @@ def fidelity(target: Target, drafter_dir: str, *, dataset: str = "mtbench", num_
         f"tf_all_{capture_dtype}": forced.metrics(dtype, at_live=False),
     }
     if heldout is not None:
-        from specray.pipeline.train_job import evaluate_export
+        from specray.pipeline.jobs.train import evaluate_export
 
         result = evaluate_export(drafter_dir, heldout, target_name=target.name, endpoint_url=endpoint_url)
         rows["heldout"] = {**result, "pos1": result["acc_by_pos"][0]}

@@ -61,6 +61,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specray.pipeline.config import PipelineConfig
+from specray.pipeline.jobs.rundir import MARKER, fresh_run_dir
 
 
 @dataclass
@@ -113,14 +114,13 @@ def run_pipeline(cfg: PipelineConfig, *, progress: bool = True, resume: bool = F
     """Run every stage; returns the report and, with ``serve.keep_running``, the live ServeHandle.
 
     ``resume`` continues an interrupted run in its run dir (module docstring) instead of replacing it.
-    ``mode: closed_loop`` runs pipeline/closed_loop_job.py (online runs of this one around live replicas)."""
+    ``mode: closed_loop`` is pipeline/jobs/closed_loop.py's (online runs of this one around live
+    replicas; ``jobs.run_manifest`` picks the driver by mode)."""
     if cfg.mode == "closed_loop":
-        from specray.pipeline.closed_loop_job import run_closed_loop
-
-        return run_closed_loop(cfg, progress=progress, resume=resume)
+        raise ValueError("mode: closed_loop runs in pipeline/jobs/closed_loop.py: call jobs.run_manifest(cfg)")
     from specray.trainer.export import export_checkpoint
 
-    run_dir = _resumed_run_dir(cfg) if resume else _fresh_run_dir(cfg.run_dir, refuse=_earlier_run(cfg))
+    run_dir = _resumed_run_dir(cfg) if resume else fresh_run_dir(cfg.run_dir, refuse=_earlier_run(cfg))
     report = PipelineReport(cfg.name, cfg.mode, str(run_dir.resolve()))
     from specray.actors.cluster import connect
 
@@ -157,31 +157,6 @@ def run_pipeline(cfg: PipelineConfig, *, progress: bool = True, resume: bool = F
     return report, handle
 
 
-MARKER = ".specray-pipeline"
-
-
-def _fresh_run_dir(run_dir: Path, refuse: list[str] = ()) -> Path:
-    """A pipeline owns its run dir: a rerun replaces it. Only a dir a pipeline made is ever deleted.
-
-    ``refuse`` lists an earlier run's state outside the run dir (``_earlier_run``): a rerun
-    cannot replace it, so a fresh run with it is refused, before anything is deleted.
-    """
-    if refuse:
-        raise FileExistsError(
-            f"a fresh run would continue an earlier one: {'; '.join(refuse)}. These lie outside the run dir "
-            f"{run_dir}, so a rerun does not replace them. Continue that run with `specray pipeline run --resume "
-            "MANIFEST`, or start a new one under a new name (name=...) or with new train.storage / online.ledger"
-        )
-    if run_dir.exists() and any(run_dir.iterdir()):
-        if not (run_dir / MARKER).exists():
-            raise FileExistsError(f"{run_dir} exists and was not made by specray pipeline; set output.run_dir "
-                                  f"to a new or empty directory (a pipeline rerun replaces its own run dir)")
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / MARKER).write_text("this directory is replaced by the next `specray pipeline run` of the same name\n")
-    return run_dir
-
-
 def _resumed_run_dir(cfg: PipelineConfig) -> Path:
     """The run dir to continue in: the interrupted run's, or a new one when its state lives in storage only.
 
@@ -193,7 +168,7 @@ def _resumed_run_dir(cfg: PipelineConfig) -> Path:
         raise FileNotFoundError(f"nothing to resume: {cfg.run_dir} is not a pipeline run dir (no {MARKER}), and "
                                 "train.storage / online.ledger hold no ledger or checkpoints of this run; run "
                                 "without --resume to start the run")
-    return _fresh_run_dir(cfg.run_dir)
+    return fresh_run_dir(cfg.run_dir)
 
 
 def _training_locations(cfg: PipelineConfig) -> tuple[str, str]:
@@ -240,7 +215,7 @@ def manifest_uri(cfg: PipelineConfig) -> str:
 
 def _capture(cfg: PipelineConfig, report: PipelineReport, progress: bool, *, reuse: bool = False) -> str:
     from specray.capture.store import open_fs, read_manifest, write_manifest
-    from specray.pipeline.capture_job import run_capture_on_ray
+    from specray.pipeline.jobs.capture import run_capture_on_ray
 
     shared, endpoint = manifest_uri(cfg), cfg.store.endpoint_url
     fs, path, _ = open_fs(shared, endpoint_url=endpoint)
@@ -314,18 +289,28 @@ def _train_summary(cfg: PipelineConfig, result) -> dict:
 
 
 def _bench(cfg: PipelineConfig, report: PipelineReport) -> None:
-    from specray.pipeline.bench import write_json
-    from specray.pipeline.serve_bench import bench_serve
+    """The exported drafter against our AR on held-out prompts (serving/sidebyside.py), with what serving runs."""
+    from specray.capture.data import load_conversations
+    from specray.capture.target import load_target
+    from specray.serving.sidebyside import build_engines, compare, drafter_summary, environment, warm_up
 
-    b = cfg.bench
-    result = bench_serve(target_name=cfg.target.name, drafter_dir=report.drafter_dir, dataset=b.dataset,
-                         num_prompts=b.num_prompts, max_tokens=b.max_tokens, batch_sizes=tuple(b.batch_sizes),
-                         png=str(cfg.run_dir / "acceptance.png"), transformers=False, vllm=False,
-                         num_speculative_tokens=cfg.serve.engine.num_speculative_tokens,  # what serving runs
-                         max_speculative_batch=cfg.serve.engine.max_speculative_batch,
-                         speculation=cfg.serve.engine.speculation, tree=cfg.serve.engine.tree,
-                         cost_table=cfg.serve.engine.cost_table)
-    write_json(result, str(cfg.run_dir / "bench.json"))
+    b, engine = cfg.bench, cfg.serve.engine
+    batch_sizes = tuple(b.batch_sizes)
+    engines = build_engines(load_target(cfg.target.name), report.drafter_dir, max(batch_sizes),
+                            num_speculative_tokens=engine.num_speculative_tokens,
+                            max_speculative_batch=engine.max_speculative_batch, speculation=engine.speculation,
+                            tree=engine.tree, cost_table=engine.cost_table)
+    prompts = [engines["specray-ar"].encode(c.as_chat())
+               for c in load_conversations(b.dataset, purpose="eval", limit=b.num_prompts)]
+    warm_up(engines, prompts)
+    comparison = compare(engines, prompts, max_tokens=b.max_tokens, batch_sizes=batch_sizes)
+    result = {"benchmark": "pipeline", "target": cfg.target.name, "drafter": report.drafter_dir, "dataset": b.dataset,
+              "prompts": len(prompts), "max_tokens": b.max_tokens, "runs": comparison.runs,
+              "num_speculative_tokens": engines["specray-drafter"].worker.max_verify_rows - 1,
+              "max_speculative_batch": engine.max_speculative_batch, "speculation": engine.speculation,
+              "tree": engine.tree, "environment": environment(),
+              **drafter_summary(engines, comparison, batch_sizes=batch_sizes, png=str(cfg.run_dir / "acceptance.png"))}
+    (cfg.run_dir / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
     report.tau, report.speedup_vs_ar = result.get("tau"), result.get("speedup_vs_ar")
     report.bench = {"json": str((cfg.run_dir / "bench.json").resolve()), "greedy_match": result.get("greedy_match"),
                     "tokens_per_s": {f"{r['system']}@{r['batch_size']}": round(r["tokens_per_s"], 2) for r in result["runs"]},
@@ -344,7 +329,7 @@ def _train_online(cfg: PipelineConfig, report: PipelineReport, progress: bool) -
     from specray.actors.capture import CapturePool
     from specray.actors.trainer import run_trainer_gang
     from specray.capture.store import feature_key, open_store
-    from specray.pipeline.capture_job import plan_capture
+    from specray.pipeline.jobs.capture import plan_capture
     from specray.trainer.ledger import Ledger, audit, stream_keys
 
     job = cfg.capture_job()

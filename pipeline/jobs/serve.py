@@ -4,7 +4,7 @@
     applications:
       - name: specray
         route_prefix: /
-        import_path: specray.pipeline.serve_app:build_app
+        import_path: specray.pipeline.jobs.serve:build_app
         args:
           config: manifests/serve.yaml          # a specray serve manifest (optional)
           overrides: ["registry.uri=s3://bucket/registry"]

@@ -26,8 +26,8 @@ from pathlib import Path
 from specray.capture.target import cache_dir, load_target
 from specray.drafters.format import read_drafter_config
 from specray.pipeline.config import CaptureConfig, CaptureJobConfig, DataConfig, OutputConfig, StoreConfig, TargetConfig
-from specray.pipeline.capture_job import run_capture
-from specray.pipeline.regenerate_job import regenerate
+from specray.pipeline.jobs.capture import run_capture
+from specray.pipeline.jobs.regenerate import regenerate
 from specray.serving.sampling import SamplingParams
 
 HELDOUT_SKIP = 17_200  # ShareGPT conversations before the held-out tail

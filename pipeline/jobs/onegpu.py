@@ -1,8 +1,8 @@
 """Self-distillation on one accelerator, in one process: regenerate → features in memory → train.
 
-    python -m specray.pipeline.onegpu run --prompts P.jsonl[.gz] --out DIR --device cuda \\
+    python -m specray.pipeline.jobs.onegpu run --prompts P.jsonl[.gz] --out DIR --device cuda \\
         --variants '[{"name": "l1"}, {"name": "l2", "num_layers": 2}]'
-    python -m specray.pipeline.onegpu export DIR/l1.safetensors --out runs/onegpu-l1/exports/final
+    python -m specray.pipeline.jobs.onegpu export DIR/l1.safetensors --out runs/onegpu-l1/exports/final
 
 The Ray pipeline (capture servers → object store → trainer gang, ``specray capture`` /
 ``specray train``) is the path that scales out. This is the path for a single machine whose
@@ -437,14 +437,14 @@ def export(variant_file: str | Path, out_dir: str | Path, *, target_name: str = 
                                {k: (t.float() if t.is_floating_point() else t) for k, t in state.items()},
                                embed_tokens=target.model.model.embed_tokens, lm_head=target.model.lm_head)
     contract = variant_contract(algorithm, target, model.config.target_layer_ids)
-    provenance = {"run": Path(variant_file).stem, "source": "specray.pipeline.onegpu", "target": target_name,
+    provenance = {"run": Path(variant_file).stem, "source": "specray.pipeline.jobs.onegpu", "target": target_name,
                   "steps": int(meta["steps"]), "train_samples": int(meta["train_samples"]),
                   "weights_precision": "bf16 (stored as fp32)"}
     return export_drafter(model, out_dir, contract=json.loads(contract.to_json()), provenance=provenance)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m specray.pipeline.onegpu", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m specray.pipeline.jobs.onegpu", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="regenerate, capture in memory and train drafter variants on one device")
     r.add_argument("--prompts", help='JSONL (or .jsonl.gz) of {"id", "prompt"} lines to answer')
