@@ -394,6 +394,12 @@ class Manifest:
     def num_tokens(self) -> int:
         return sum(r.num_tokens for r in self.refs)
 
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template the samples were rendered with (``metadata["chat_template"]``, written by
+        ``specray capture``); None when the manifest does not record one (the tokenizer's own)."""
+        return self.metadata.get("chat_template")
+
 
 def write_manifest(
     uri: str, refs: Iterable[SampleRef], *, contract: CaptureContract, store_uri: str,

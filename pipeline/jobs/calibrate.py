@@ -35,7 +35,7 @@ def calibrate_export(export_dir: str, manifest_uri: str, *, target_name: str, en
         raise ConfigError(f"{export_dir}: algorithm {algorithm!r} has no confidence head to calibrate "
                           "(specray calibrate fits DSpark exports)")
     manifest = read_manifest(manifest_uri, endpoint_url=endpoint_url)
-    target = load_target(target_name)
+    target = load_target(target_name, chat_template=manifest.chat_template)  # as the manifest was rendered
     (Path(export_dir) / CALIBRATION_FILE).unlink(missing_ok=True)  # the fit below replaces it
     model = load_drafter(export_dir, embed_tokens=target.model.model.embed_tokens, lm_head=target.model.lm_head,
                          target_fingerprint=target.target_fingerprint,
