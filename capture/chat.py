@@ -89,6 +89,21 @@ def resolve_chat_template(spec: str | None, *, field: str = "data.chat_template"
     return text
 
 
+def check_chat_template(spec: str | None) -> str | None:
+    """A config's chat template: a named template as it is, a template file as an absolute path (jobs run in
+    other directories); anything else is the error naming the field."""
+    if spec is None or spec in NAMED_TEMPLATES:
+        return spec
+    resolve_chat_template(spec, field="chat_template")
+    return str(Path(spec).expanduser().resolve())
+
+
+def check_template_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A config's template kwargs, refused unless each is a settable name with a JSON-like value."""
+    with_template_kwargs("", kwargs)
+    return kwargs
+
+
 def jinja_literal(value: Any, where: str = "chat_template_kwargs") -> str:
     """``value`` (JSON-like: bool, None, number, string, list, dict with string keys) as a Jinja literal."""
     if value is None or isinstance(value, bool):

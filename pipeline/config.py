@@ -15,7 +15,7 @@ from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationEr
                       model_validator)
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from specray.capture.chat import NAMED_TEMPLATES, resolve_chat_template, with_template_kwargs
+from specray.capture.chat import NAMED_TEMPLATES, check_chat_template, check_template_kwargs
 from specray.capture.contract import CONTRACT_SPECS, STORAGE_DTYPES
 from specray.capture.data import DATASETS, ROW_DATASETS
 from specray.capture.target import DEFAULT_TARGET
@@ -41,19 +41,6 @@ class TargetConfig(Section):
     name: str = Field(DEFAULT_TARGET, description="embedded:<name>, debug[:seed], or a local HF model directory")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="compute dtype of the target forward")
     device: str = Field("cpu", description="torch device for the target")
-
-
-def _chat_template(value: str | None) -> str | None:
-    """A named template as it is, a template file as an absolute path (jobs run in other directories)."""
-    if value is None or value in NAMED_TEMPLATES:
-        return value
-    resolve_chat_template(value, field="chat_template")  # a readable Jinja file, else the error naming the field
-    return str(Path(value).expanduser().resolve())
-
-
-def _template_kwargs(value: dict[str, Any]) -> dict[str, Any]:
-    with_template_kwargs("", value)  # names and JSON-like values, else the error naming the key
-    return value
 
 
 def _chat_template_field() -> Any:
@@ -99,8 +86,8 @@ class DataConfig(Section):
             raise ValueError(f"{value!r} is held out for evaluation; capture training data from sharegpt or jsonl:PATH")
         return value
 
-    _known_template = field_validator("chat_template")(classmethod(lambda cls, value: _chat_template(value)))
-    _template_values = field_validator("chat_template_kwargs")(classmethod(lambda cls, value: _template_kwargs(value)))
+    _known_template = field_validator("chat_template")(classmethod(lambda cls, value: check_chat_template(value)))
+    _template_values = field_validator("chat_template_kwargs")(classmethod(lambda cls, value: check_template_kwargs(value)))
 
     @model_validator(mode="after")
     def _id_field_of_rows(self) -> "DataConfig":
@@ -471,8 +458,8 @@ class ServeJobConfig(JobConfig):
     chat_template: str | None = _chat_template_field()
     chat_template_kwargs: dict[str, Any] = _chat_template_kwargs_field()
 
-    _known_template = field_validator("chat_template")(classmethod(lambda cls, value: _chat_template(value)))
-    _template_values = field_validator("chat_template_kwargs")(classmethod(lambda cls, value: _template_kwargs(value)))
+    _known_template = field_validator("chat_template")(classmethod(lambda cls, value: check_chat_template(value)))
+    _template_values = field_validator("chat_template_kwargs")(classmethod(lambda cls, value: check_template_kwargs(value)))
 
     @property
     def served_model_name(self) -> str:
