@@ -16,6 +16,10 @@ Producers (capture actors) and the gang never exchange tensors through the broke
   rewind); since features are deleted only after a checkpoint covers them, the gang checks the
   stronger ``max_inflight >= Q × checkpoint_every`` before it starts.
 
+**One blob per key.** Every ref names its own store key: an offer whose key already holds another
+sample of the stream (in flight or acknowledged) is refused, since the second write replaced the
+first blob and one of the two samples could never be read.
+
 Windows are keyed by ``(attempt, step)``: ``next_window(attempt, step)`` is idempotent, so every
 rank of the gang asks for the same window and gets the same refs (it then trains its slice).
 A worker-group start calls ``rewind``: it frees the samples already in the model's history,
@@ -127,6 +131,7 @@ class WindowQueue:
         self.reserved_bytes = 0
         self.inflight: dict[str, SampleRef] = {}  # stored, not yet released (pending or dispatched)
         self.seen: set[str] = set()  # every sample id of the stream: offered, held, re-dispatched, or trained
+        self.keys: dict[str, str] = {}  # store key -> the sample id whose blob it holds, every ref the stream carried
         self.inflight_bytes = 0
         self.pending: deque[SampleRef] = deque()  # offered, not yet in a window
         self.windows: dict[int, Window | None] = {}  # step -> window (None = end of stream), this attempt
@@ -205,12 +210,15 @@ class WindowQueue:
             self.inflight_bytes += ref.num_bytes
             self.pending.append(ref)
             self.seen.add(ref.sample_id)
+            self.keys[ref.key] = ref.sample_id
         self.offered_total += len(refs)
         self._track_peak()
 
     def _check_new(self, refs: list[SampleRef]) -> None:
-        """Refuse refs the ledger could not record, of another contract, or of a sample the stream carried."""
+        """Refuse refs the ledger could not record, of another contract, of a sample the stream carried,
+        or whose store key holds another sample's blob (two samples on one key: one of them is lost)."""
         offered: set[str] = set()
+        keys: dict[str, str] = {}
         for ref in refs:
             check_ref(ref)
             if self.contract_id is not None and ref.contract != self.contract_id:
@@ -224,7 +232,13 @@ class WindowQueue:
                          "was offered already in this stream and acknowledged; offering it again would train it twice")
                 raise ValueError(f"sample id {ref.sample_id!r} {state}. Sample ids must be unique within a stream "
                                  "(prefix a new producer pass, e.g. 'epoch1/<id>')")
+            owner = keys.get(ref.key, self.keys.get(ref.key))
+            if owner is not None and owner != ref.sample_id:
+                raise ValueError(f"samples {owner!r} and {ref.sample_id!r} name one store key {ref.key!r}: the "
+                                 "second write replaces the first blob, so one sample could never be read; give "
+                                 "each sample its own key (capture/store.py feature_key)")
             offered.add(ref.sample_id)
+            keys[ref.key] = ref.sample_id
 
     def close(self) -> None:
         self.closed = True
@@ -251,6 +265,7 @@ class WindowQueue:
         held = 0
         for ref in refs:
             self.seen.add(ref.sample_id)
+            self.keys[ref.key] = ref.sample_id
             if ref.sample_id not in self.inflight:
                 self.inflight[ref.sample_id] = ref
                 self.inflight_bytes += ref.num_bytes
@@ -329,6 +344,7 @@ class WindowQueue:
                 continue
             requeue[ref.sample_id] = ref
             self.seen.add(ref.sample_id)
+            self.keys[ref.key] = ref.sample_id
             if ref.sample_id not in self.inflight:  # known from the ledger only (e.g. a new broker)
                 self.inflight[ref.sample_id] = ref
                 self.inflight_bytes += ref.num_bytes

@@ -63,12 +63,13 @@ class CaptureActor:
     """A CaptureServer in its own process; ``capture`` is deterministic per batch."""
 
     def __init__(self, target: str, contract: CaptureContract, store_uri: str, *,
-                 endpoint_url: str | None = None, target_dtype: str = "float32"):
+                 endpoint_url: str | None = None, target_dtype: str = "float32", chat_template: str | None = None):
         # Ray ships this class by value, so this module's imports do not run in the actor.
         import specray.actors.object_store  # noqa: F401  (registers ray://)
 
         store = open_store(store_uri, endpoint_url=endpoint_url)
-        self.server = CaptureServer(load_target(target, dtype=target_dtype), contract, store)
+        target = load_target(target, dtype=target_dtype, chat_template=chat_template)  # the plan's chat template
+        self.server = CaptureServer(target, contract, store)
 
     def ready(self) -> int:
         """Health probe: answers once the target is loaded; returns the process id."""
@@ -142,7 +143,9 @@ class CapturePool:
     def __init__(self, target: str, contract: CaptureContract, store_uri: str, *, endpoint_url: str | None = None,
                  num_actors: int = 1, num_cpus_per_actor: float = 1.0, max_restarts: int = 3,
                  max_inflight_batches: int = 2, target_dtype: str = "float32", max_batch_attempts: int = 3,
-                 start_timeout_s: float = 300.0, stall_timeout_s: float = 600.0):
+                 start_timeout_s: float = 300.0, stall_timeout_s: float = 600.0, chat_template: str | None = None):
+        """``chat_template``: the template text the plan rendered with (``Target.chat_template``; None =
+        the tokenizer's own), so every actor's target has the contract's template fingerprint."""
         if not ray.is_initialized():
             raise RuntimeError("CapturePool needs a Ray connection: call ray.init(...) first "
                                "(specray pipeline run connects for you)")
@@ -156,7 +159,7 @@ class CapturePool:
         self.store = open_store(store_uri, endpoint_url=endpoint_url)
         self._actor_cls = CaptureActor.options(num_cpus=num_cpus_per_actor, max_restarts=max_restarts, max_task_retries=0)
         self._actor_args = (target, contract, store_uri)
-        self._actor_kwargs = {"endpoint_url": endpoint_url, "target_dtype": target_dtype}
+        self._actor_kwargs = {"endpoint_url": endpoint_url, "target_dtype": target_dtype, "chat_template": chat_template}
         self.num_cpus_per_actor = num_cpus_per_actor
         self.max_inflight_batches = max_inflight_batches
         self.max_batch_attempts = max_batch_attempts

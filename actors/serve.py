@@ -36,6 +36,7 @@ import ray
 from ray import serve
 
 from specray.actors.cluster import connect
+from specray.capture.chat import resolve_chat_template
 from specray.capture.target import load_target
 from specray.serving.engine import Engine, EngineLoop
 from specray.serving.http_guard import HttpLimits, is_loopback
@@ -71,6 +72,8 @@ class ReplicaSpec:
     cost_table: str | None = None  # absolute
     limits: HttpLimits = field(default_factory=HttpLimits)  # the config's http.limits
     record: RecordSettings = field(default_factory=RecordSettings)  # the config's record section; uri absolute
+    chat_template: str | None = None  # template text (the config's chat_template resolved; None = the tokenizer's)
+    chat_template_kwargs: dict = field(default_factory=dict)  # written into the template (capture/chat.py)
 
 
 def _absolute_uri(uri: str) -> str:
@@ -95,6 +98,8 @@ def replica_spec(cfg: ServeJobConfig, api_key: str | None) -> ReplicaSpec:
         tree=cfg.engine.tree, cost_table=str(Path(cfg.engine.cost_table).resolve()) if cfg.engine.cost_table else None,
         limits=cfg.http.limits,
         record=cfg.record.model_copy(update={"uri": _absolute_uri(cfg.record.uri)}) if cfg.record.uri else cfg.record,
+        chat_template=resolve_chat_template(cfg.chat_template, field="chat_template"),
+        chat_template_kwargs=dict(cfg.chat_template_kwargs),
     )
 
 
@@ -108,7 +113,8 @@ class SpecrayReplica:
             torch.set_num_threads(spec.num_threads)
         self.spec = spec
         self.replica = serve.get_replica_context().replica_id.unique_id
-        target = load_target(spec.target, dtype=spec.dtype, device=spec.device)
+        target = load_target(spec.target, dtype=spec.dtype, device=spec.device, chat_template=spec.chat_template,
+                             chat_template_kwargs=spec.chat_template_kwargs)
         self.engine = Engine(target, spec.drafter_dir, max_batch=spec.max_batch, max_len=spec.max_len,
                              num_speculative_tokens=spec.num_speculative_tokens,
                              max_speculative_batch=spec.max_speculative_batch, speculation=spec.speculation,

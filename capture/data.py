@@ -13,6 +13,11 @@ name             split    source
                           "content"}, …]}`` or ShareGPT's ``{"conversations": [{"from",
                           "value"}, …]}``; ``"finish_reason": "length"`` marks a last
                           answer cut at a token limit (``Conversation.cut``)
+``parquet:PATH`` train    a Parquet file (or a directory of them, in name order), one
+                          conversation per row, the same columns as a jsonl line
+``hf:PATH``      train    a Hugging Face ``datasets`` directory written by ``save_to_disk``
+                          (read with ``datasets.load_from_disk``), rows as in Parquet; a
+                          ``DatasetDict`` directory is read one split at a time: ``hf:PATH/train``
 ``records:URI``  train    served traffic recorded by the serving replicas
                           (serving/recorder.py): the chat records of every shard under
                           ``URI`` (a path, file://… or s3://…), in shard order
@@ -28,13 +33,19 @@ of shards it has read and passes only the others). S3 endpoints come from ``endp
 Eval datasets are held out: asking for them with ``purpose="train"`` is an error, so a
 drafter is never trained on the prompts it is benchmarked on.
 
+**Sample ids** are unique: a dataset that yields an id twice is refused, naming every repeated id
+and where it occurs (two samples with one id would share one feature blob). In jsonl, Parquet and
+``hf:`` rows the id is the ``id_field`` column (``data.id_field``: every row must have it, a
+non-empty string or an integer), else the row's ``id`` when it has one, else
+``<file stem>-<line or row>-<8 hex of its content>``. A message's ``reasoning_content`` (an
+assistant's reasoning, as OpenAI-style APIs return it) is kept and passed to the chat template.
+
 Rendering (seed §7.2): the whole conversation is rendered once with the chat template and
-tokenised once (exactly the token sequence serving will see). Supervised spans are found by
-rendering each prefix: for assistant turn ``i``, ``render(messages[:i], add_generation_prompt)``
-must be a prefix of ``render(messages[:i+1])``; the text between the two, up to and including
-the end-of-turn token (``tokenizer.eos_token``), is supervised. A token is in ``loss_mask``
-iff its character span overlaps a supervised span. So for ChatML
-``<|im_start|>assistant\\nHello<|im_end|>\\n`` exactly ``Hello`` and ``<|im_end|>`` are 1.
+tokenised once (exactly the token sequence serving will see). ``capture/chat.py`` finds the
+supervised character spans (the template's ``{% generation %}`` markers, else each assistant
+turn rendered on its own; templates need not be prefix-stable). A token is in ``loss_mask`` iff its
+character span overlaps a supervised span. So for ChatML ``<|im_start|>assistant\\nHello<|im_end|>\\n``
+exactly ``Hello`` and ``<|im_end|>`` are 1.
 """
 
 from __future__ import annotations
@@ -44,12 +55,13 @@ import hashlib
 import importlib.util
 import itertools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Literal
+from typing import Any, Callable, Iterable, Iterator, Literal
 
 import torch
 
+from specray.capture.chat import cut_last_answer, has_generation_markers, marked_spans, turn_spans
 from specray.capture.store import open_fs
 
 ROLE_ALIASES = {
@@ -67,9 +79,15 @@ class Conversation:
     # the last answer stopped at a token limit, not where the model ended its turn: the end-of-turn
     # token the template adds after it is not the model's and is not supervised
     cut: bool = False
+    reasoning: tuple[str | None, ...] = ()  # per message: its reasoning_content (() = none anywhere)
+    origin: str = field(default="", compare=False)  # where it was read (file:line), for errors
 
     def as_chat(self) -> list[dict[str, str]]:
-        return [{"role": r, "content": c} for r, c in self.messages]
+        chat = [{"role": r, "content": c} for r, c in self.messages]
+        for message, reasoning in zip(chat, self.reasoning):
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
+        return chat
 
 
 @dataclass(frozen=True)
@@ -123,15 +141,25 @@ def normalise_turns(turns: list[dict], where: str, *, strict: bool) -> tuple[tup
     ``strict`` (user files): any malformed turn is an error naming ``where``.
     Not strict (public ShareGPT): the conversation is cut at the first malformed turn.
     """
+    return normalise_with_reasoning(turns, where, strict=strict)[0]
+
+
+def normalise_with_reasoning(turns: list[dict], where: str, *,
+                             strict: bool) -> tuple[tuple[tuple[str, str], ...], tuple[str | None, ...]]:
+    """``normalise_turns`` and each kept message's ``reasoning_content`` (``()`` when no message has one)."""
     messages: list[tuple[str, str]] = []
+    reasoning: list[str | None] = []
     for n, turn in enumerate(turns):
         raw_role = turn.get("role", turn.get("from")) if isinstance(turn, dict) else None
         content = turn.get("content", turn.get("value")) if isinstance(turn, dict) else None
         role = ROLE_ALIASES.get(raw_role)
         expected = "user" if not messages or messages[-1][0] != "user" else "assistant"
         problem = None
+        thought = turn.get("reasoning_content") if isinstance(turn, dict) else None
         if role is None or not isinstance(content, str):
             problem = f"turn {n} needs a role in {sorted(ROLE_ALIASES)} and string content"
+        elif thought is not None and (role != "assistant" or not isinstance(thought, str)):
+            problem = f"turn {n}: reasoning_content must be a string on an assistant turn"
         elif role == "system" and messages:
             problem = f"turn {n}: a system message may only come first"
         elif role != "system" and role != expected and messages:
@@ -143,7 +171,8 @@ def normalise_turns(turns: list[dict], where: str, *, strict: bool) -> tuple[tup
         if not messages and role == "assistant":
             continue  # a conversation that opens with the assistant has no prompt for it
         messages.append((role, content))
-    return tuple(messages)
+        reasoning.append(thought)
+    return tuple(messages), (tuple(reasoning) if any(r is not None for r in reasoning) else ())
 
 
 def _load_sharegpt() -> Iterator[Conversation]:
@@ -187,21 +216,92 @@ def _json_lines(lines: Iterable[str], place: Callable[[int], str]) -> Iterator[t
         yield lineno, where, line, record
 
 
-def _load_jsonl(path: str) -> Iterator[Conversation]:
+def _row_id(record: dict, where: str, id_field: str | None, fallback: str) -> str:
+    """A row's sample id: its ``id_field`` (required when given), else its ``id``, else ``fallback``."""
+    name = id_field or "id"
+    value = record.get(name)
+    if value is None:
+        if id_field is not None:
+            raise ValueError(f"{where}: no {id_field!r} (data.id_field names the column holding each sample's id); "
+                             "give every record one, or set data.id_field to another column")
+        return fallback
+    if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "":
+        raise ValueError(f"{where}: the id in {name!r} must be a non-empty string or an integer, got {value!r}")
+    return str(value)
+
+
+def _row_conversation(record: Any, where: str, *, id_field: str | None, fallback_id: str) -> Conversation:
+    """One conversation from a jsonl line / Parquet or ``hf:`` row (module docstring)."""
+    turns = None
+    if isinstance(record, dict):  # a Parquet row holds both columns when its file has both: one is null
+        turns = record.get("messages") if record.get("messages") is not None else record.get("conversations")
+    if not isinstance(turns, list):
+        raise ValueError(f'{where}: expected {{"messages": [{{"role": ..., "content": ...}}, ...]}}')
+    turns = [{k: v for k, v in t.items() if v is not None} if isinstance(t, dict) else t for t in turns]
+    messages, reasoning = normalise_with_reasoning(turns, where, strict=True)
+    if not messages:
+        raise ValueError(f"{where}: empty conversation; give at least one user and one assistant turn")
+    cut = record.get("finish_reason") == "length"  # written by specray regenerate
+    return Conversation(_row_id(record, where, id_field, fallback_id), messages, cut=cut, reasoning=reasoning,
+                        origin=where)
+
+
+def _load_jsonl(path: str, id_field: str | None = None) -> Iterator[Conversation]:
     file = Path(path).expanduser()
     if not file.is_file():
         raise ValueError(f"dataset jsonl:{path}: no such file")
     with open(file) as f:
         for lineno, where, line, record in _json_lines(f, lambda n: f"{file}:{n}"):
-            turns = record.get("messages", record.get("conversations")) if isinstance(record, dict) else None
-            if not isinstance(turns, list):
-                raise ValueError(f'{where}: expected {{"messages": [{{"role": ..., "content": ...}}, ...]}}')
-            messages = normalise_turns(turns, where, strict=True)
-            if not messages:
-                raise ValueError(f"{where}: empty conversation; give at least one user and one assistant turn")
             digest = hashlib.sha256(line.encode()).hexdigest()[:8]
-            cut = record.get("finish_reason") == "length"  # written by specray regenerate
-            yield Conversation(str(record.get("id", f"{file.stem}-{lineno:06d}-{digest}")), messages, cut=cut)
+            yield _row_conversation(record, where, id_field=id_field, fallback_id=f"{file.stem}-{lineno:06d}-{digest}")
+
+
+def _rows(records: Iterable[dict], place: Callable[[int], str], stem: str, id_field: str | None,
+          start: int = 0) -> Iterator[Conversation]:
+    for row, record in enumerate(records, start):
+        digest = hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()[:8]
+        yield _row_conversation(record, place(row), id_field=id_field, fallback_id=f"{stem}-{row:06d}-{digest}")
+
+
+def _load_parquet(path: str, id_field: str | None = None, endpoint_url: str | None = None) -> Iterator[Conversation]:
+    import pyarrow.parquet as pq
+
+    if not path:
+        raise ValueError("parquet: needs a file or directory, e.g. parquet:data/chats.parquet")
+    fs, root, _ = open_fs(path, endpoint_url=endpoint_url)
+    if fs.isdir(root):
+        files = sorted(fs.glob(f"{root.rstrip('/')}/*.parquet"))
+        if not files:
+            raise ValueError(f"dataset parquet:{path}: the directory holds no *.parquet file")
+    elif fs.isfile(root):
+        files = [root]
+    else:
+        raise ValueError(f"dataset parquet:{path}: no such file or directory")
+    for file in files:
+        name = file.rsplit("/", 1)[-1]
+        with fs.open(file, "rb") as f:
+            offset = 0
+            for batch in pq.ParquetFile(f).iter_batches(batch_size=1024):
+                rows = batch.to_pylist()
+                yield from _rows(rows, lambda r: f"{file}: row {r}", name.rsplit(".", 1)[0], id_field, offset)
+                offset += len(rows)
+
+
+def _load_hf(path: str, id_field: str | None = None) -> Iterator[Conversation]:
+    if not path:
+        raise ValueError("hf: needs a directory written by datasets' save_to_disk, e.g. hf:data/chats")
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        raise ValueError(f"dataset hf:{path}: no such directory (a datasets save_to_disk directory)")
+    if importlib.util.find_spec("datasets") is None:
+        raise ValueError("dataset hf:PATH is read with the Hugging Face datasets package: pip install datasets")
+    import datasets
+
+    loaded = datasets.load_from_disk(str(directory))
+    if isinstance(loaded, datasets.DatasetDict):
+        raise ValueError(f"dataset hf:{path} is a DatasetDict with splits {sorted(loaded)}; name one, e.g. "
+                         f"hf:{directory / sorted(loaded)[0]}")
+    yield from _rows(iter(loaded), lambda r: f"hf:{path}: row {r}", directory.name, id_field)
 
 
 RECORD_ENDPOINTS = ("chat", "completions")
@@ -272,14 +372,26 @@ DATASETS: dict[str, DatasetSpec] = {
 }
 
 
+ROW_DATASETS = ("jsonl:", "parquet:", "hf:")  # the datasets whose ids can come from data.id_field
+
+
 def load_conversations(
     name: str, *, purpose: Literal["train", "eval"] = "train", limit: int | None = None, skip: int = 0,
-    endpoint_url: str | None = None,
+    endpoint_url: str | None = None, id_field: str | None = None,
 ) -> Iterator[Conversation]:
     """Iterate a dataset by name (after skipping ``skip`` conversations); see the module docstring.
-    ``endpoint_url``: the S3 endpoint of an s3:// ``records:`` store (else ``$SPECRAY_S3_ENDPOINT``)."""
+    ``endpoint_url``: the S3 endpoint of an s3:// ``records:`` or ``parquet:`` source (else
+    ``$SPECRAY_S3_ENDPOINT``); ``id_field``: the column of jsonl/Parquet/``hf:`` rows holding the ids.
+    A repeated sample id is a ``ValueError`` naming every repeated id of the slice read."""
+    if id_field is not None and not name.startswith(ROW_DATASETS):
+        raise ValueError(f"data.id_field={id_field!r} names a column of jsonl:, parquet: or hf: rows; dataset "
+                         f"{name!r} has its own ids: remove data.id_field")
     if name.startswith("jsonl:"):
-        source = _load_jsonl(name.removeprefix("jsonl:"))
+        source = _load_jsonl(name.removeprefix("jsonl:"), id_field)
+    elif name.startswith("parquet:"):
+        source = _load_parquet(name.removeprefix("parquet:"), id_field, endpoint_url)
+    elif name.startswith("hf:"):
+        source = _load_hf(name.removeprefix("hf:"), id_field)
     elif name.startswith("records:"):
         source = _load_records(name.removeprefix("records:"), endpoint_url)
     elif name in DATASETS:
@@ -291,11 +403,31 @@ def load_conversations(
             )
         source = spec.load()
     else:
-        raise ValueError(f"unknown dataset {name!r}; valid: {sorted(DATASETS)}, 'jsonl:PATH' or 'records:URI'")
-    for n, conversation in enumerate(itertools.islice(source, skip, None)):
-        if limit is not None and n >= limit:
-            return
+        raise ValueError(f"unknown dataset {name!r}; valid: {sorted(DATASETS)}, 'jsonl:PATH', 'parquet:PATH', "
+                         "'hf:PATH' or 'records:URI'")
+    conversations = itertools.islice(source, skip, None if limit is None else skip + limit)
+    seen: dict[str, str] = {}
+    for n, conversation in enumerate(conversations):
+        place = conversation.origin or f"conversation {skip + n}"
+        if conversation.id in seen:
+            _refuse_repeated_ids(name, seen, conversation, place, conversations, skip + n + 1)
+        seen[conversation.id] = place
         yield conversation
+
+
+def _refuse_repeated_ids(name: str, seen: dict[str, str], repeat: Conversation, place: str,
+                         rest: Iterator[Conversation], position: int) -> None:
+    """Raise for the repeated id of ``repeat``, naming it and every other repeated id of the slice."""
+    places = {sid: [where] for sid, where in seen.items()}
+    places[repeat.id].append(place)
+    for n, conversation in enumerate(rest, position):
+        places.setdefault(conversation.id, []).append(conversation.origin or f"conversation {n}")
+    repeated = {sid: where for sid, where in places.items() if len(where) > 1}
+    listed = "; ".join(f"{sid!r} at {', '.join(where[:4])}{' ...' if len(where) > 4 else ''}"
+                       for sid, where in list(repeated.items())[:10])
+    raise ValueError(f"dataset {name!r} repeats sample ids ({len(repeated)} ids: {listed}"
+                     f"{' ...' if len(repeated) > 10 else ''}); every sample needs its own id (its features are "
+                     "stored under it): remove the repeated records, or set data.id_field to a column of unique ids")
 
 
 class ChatRenderer:
@@ -303,7 +435,8 @@ class ChatRenderer:
 
     ``truncation="truncate"`` keeps the first ``max_length`` tokens; ``"drop"`` skips longer
     samples. Either way a sample left with no supervised token is skipped (``render`` returns
-    None) and counted in ``skipped``.
+    None) and counted in ``skipped``. The spans come from ``capture/chat.py``: the template's
+    ``{% generation %}`` markers when it has them, else each assistant turn rendered on its own.
     """
 
     def __init__(self, tokenizer, *, max_length: int, truncation: Truncation = "truncate"):
@@ -311,16 +444,15 @@ class ChatRenderer:
             raise ValueError(f"max_length must be a positive number of tokens, got {max_length}")
         if truncation not in ("truncate", "drop"):
             raise ValueError(f"truncation must be 'truncate' or 'drop', got {truncation!r}")
-        if tokenizer.eos_token is None:
-            raise ValueError("the tokenizer has no eos_token; it marks the end of an assistant turn")
+        self.marked = has_generation_markers(tokenizer.chat_template)
+        if tokenizer.eos_token is None and not self.marked:
+            raise ValueError("the tokenizer has no eos_token; it marks the end of an assistant turn (or use a "
+                             "chat template with {% generation %} markers: data.chat_template)")
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.truncation = truncation
         self.end_of_turn = tokenizer.eos_token
         self.skipped: dict[str, int] = {"too_long": 0, "no_supervised_tokens": 0}
-
-    def _text(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
     def supervised_spans(self, conversation: Conversation) -> tuple[str, list[tuple[int, int]]]:
         """The rendered text and the character spans of every assistant answer + end token (the
@@ -330,24 +462,13 @@ class ChatRenderer:
                 f"conversation {conversation.id!r} is empty; give at least one user and one assistant turn"
             )
         chat = conversation.as_chat()
-        text = self._text(chat, generation_prompt=False)
-        spans = []
-        for i, (role, _) in enumerate(conversation.messages):
-            if role != "assistant":
-                continue
-            before = self._text(chat[:i], generation_prompt=True)
-            through = self._text(chat[: i + 1], generation_prompt=False)
-            if not (through.startswith(before) and text.startswith(through)):
-                raise ValueError(
-                    "the chat template is not prefix-stable (rendering a prefix of the conversation "
-                    "changes earlier text), so assistant spans cannot be located; use a template "
-                    "that renders turns independently"
-                )
-            end = through.find(self.end_of_turn, len(before))
-            if end < 0:
-                raise ValueError(f"the chat template does not close assistant turns with {self.end_of_turn!r}")
-            last = i == len(conversation.messages) - 1
-            spans.append((len(before), end if last and conversation.cut else end + len(self.end_of_turn)))
+        if self.marked:
+            text, spans = marked_spans(self.tokenizer, chat, self.end_of_turn)
+        else:
+            text, spans = turn_spans(self.tokenizer, chat, self.end_of_turn)
+        role, answer = conversation.messages[-1]
+        if conversation.cut and role == "assistant":
+            spans = cut_last_answer(text, spans, answer)
         return text, spans
 
     def render(self, conversation: Conversation) -> RenderedSample | None:

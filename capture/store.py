@@ -19,10 +19,10 @@ version in the table metadata (``write_manifest`` / ``read_manifest``).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
-import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -132,7 +132,11 @@ class BlobStore(ABC):
     uri: str
 
     def put(self, key: str, tensors: dict[str, torch.Tensor], *, sample_id: str, num_tokens: int, contract: str) -> SampleRef:
-        """Write one blob atomically (readers see all of it or nothing) and describe it."""
+        """Write one blob atomically (readers see all of it or nothing) and describe it.
+
+        ``tensors`` is checked before anything is written: a value that is not a tensor, or a dtype
+        the store does not record, is a ``TypeError`` naming the tensor."""
+        check_tensors(tensors, sample_id)
         tensors = {k: v.contiguous() for k, v in tensors.items()}
         # One metadata entry: safetensors writes its metadata map in a per-process random order,
         # so two entries would give the same sample different bytes (and checksums) per process.
@@ -177,13 +181,46 @@ class BlobStore(ABC):
         """Idempotent: deleting a missing key is not an error."""
 
 
+def check_tensors(tensors: dict, sample_id: str) -> None:
+    """``TypeError`` naming the tensor unless every value is a torch.Tensor of a dtype the store records."""
+    if not isinstance(tensors, dict) or not tensors:
+        raise TypeError(f"sample {sample_id!r}: tensors must be a non-empty dict of name -> torch.Tensor, "
+                        f"got {type(tensors).__name__}")
+    for name, value in tensors.items():
+        if not isinstance(name, str):
+            raise TypeError(f"sample {sample_id!r}: tensor names must be strings, got {name!r}")
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"sample {sample_id!r}: tensors[{name!r}] must be a torch.Tensor, got "
+                            f"{type(value).__name__}")
+        if value.dtype not in _DTYPE_NAMES:
+            raise TypeError(f"sample {sample_id!r}: tensors[{name!r}] has dtype {value.dtype}; the feature store "
+                            f"records {sorted(_DTYPE_NAMES.values())}: cast it (e.g. .to(torch.bfloat16))")
+
+
+KEY_READABLE_CHARS = 64  # characters of the sanitised sample id kept in its key, for people reading the store
+
+
 def feature_key(contract_id: str, sample_id: str, prefix: str = "features") -> str:
-    """Where a capture writes a sample: the same sample under the same contract always lands on one key."""
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in sample_id)
-    return f"{prefix.strip('/')}/{contract_id}/{safe}.safetensors"
+    """Where a capture writes a sample: the same sample under the same contract always lands on one key,
+    and distinct sample ids land on distinct keys.
+
+    The file name is a readable prefix of the id (characters outside ``[A-Za-z0-9-_.]`` become
+    ``_``, at most ``KEY_READABLE_CHARS``) and the first 128 bits of the sha256 of the exact id, so
+    ``conv/1`` and ``conv_1`` share the prefix but not the key:
+    ``features/<contract>/conv_1-<32 hex>.safetensors``."""
+    if not isinstance(sample_id, str) or not sample_id:
+        raise ValueError(f"a sample id must be a non-empty string, got {sample_id!r}")
+    safe = "".join(c if c.isascii() and (c.isalnum() or c in "-_.") else "_" for c in sample_id[:KEY_READABLE_CHARS])
+    digest = hashlib.sha256(sample_id.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return f"{prefix.strip('/')}/{contract_id}/{safe}-{digest}.safetensors"
 
 
 TMP_MARK = ".tmp-"  # "<key>.tmp-<32 hex>": a file:// write not yet renamed over its key
+
+
+def temp_name(key: str) -> str:
+    """The one temp file every ``file://`` write of ``key`` goes through (``<key>.tmp-<32 hex>``)."""
+    return f"{key}{TMP_MARK}{hashlib.sha256(key.encode()).hexdigest()[:32]}"
 
 
 def is_temp_of(name: str, key: str) -> bool:
@@ -219,10 +256,12 @@ class FeatureStore(BlobStore):
     def put_bytes(self, key: str, data: bytes) -> None:
         """Write ``data`` under ``key`` atomically and durably.
 
-        ``file://``: a temp file ``<key>.tmp-<hex>`` next to the blob, fsynced, renamed over the
-        key, then the directory fsynced, so a ledger txn that names the key never outlives the
-        bytes in a power loss. A writer killed before its rename leaves its temp file; ``delete``
-        removes those of its key. ``s3://``: one PUT (atomic).
+        ``file://``: the key's temp file (``temp_name``) next to the blob, written under an
+        exclusive ``flock``, fsynced, renamed over the key, then the directory fsynced, so a
+        ledger txn that names the key never outlives the bytes in a power loss. Every write of a
+        key uses the same temp file, so ``delete`` finds a dead writer's leftover by name (O(1),
+        no directory listing); the lock keeps two live writers of one key apart (a dead
+        writer's lock dies with it). ``s3://``: one PUT (atomic).
         """
         path = self._path(key)
         if self.protocol != "file":
@@ -230,12 +269,17 @@ class FeatureStore(BlobStore):
             return
         directory = path.rsplit("/", 1)[0]
         self.fs.makedirs(directory, exist_ok=True)
-        tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        tmp = self._path(temp_name(key))
+        fd = _locked_temp(tmp)
+        try:
+            os.ftruncate(fd, 0)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+            os.replace(tmp, path)  # under the lock: no other writer of this key is between open and rename
+        finally:
+            os.close(fd)  # releases the lock
         fd = os.open(directory, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -252,26 +296,46 @@ class FeatureStore(BlobStore):
         return self.fs.exists(self._path(key))
 
     def delete(self, key: str) -> None:
-        """Idempotent: deleting a missing key is not an error. Temp files of the key go too.
+        """Idempotent: deleting a missing key is not an error. The key's temp file goes too.
 
-        Those are writes of the key that died before their rename (``put_bytes``); once the key
-        is deleted, whatever wrote it is finished or dead.
+        That is a write of the key that died before its rename (``put_bytes``); once the key is
+        deleted, whatever wrote it is finished or dead. Two unlinks by name, whatever the
+        directory holds.
         """
         path = self._path(key)
-        try:
-            self.fs.rm_file(path)
-        except FileNotFoundError:
-            pass
         if self.protocol == "s3":
+            try:
+                self.fs.rm_file(path)
+            except FileNotFoundError:
+                pass
             self.fs.invalidate_cache(path)
             return
-        directory, name = path.rsplit("/", 1)
-        for entry in os.listdir(directory) if os.path.isdir(directory) else ():
-            if is_temp_of(entry, name):
-                try:
-                    os.unlink(f"{directory}/{entry}")
-                except FileNotFoundError:
-                    pass
+        for name in (path, self._path(temp_name(key))):
+            try:
+                os.unlink(name)
+            except FileNotFoundError:
+                pass
+
+
+def _locked_temp(tmp: str) -> int:
+    """An fd of ``tmp`` (created if missing) under an exclusive flock, still named ``tmp``.
+
+    A writer that waited for the lock may find that the holder renamed the file over its key
+    (or that a delete removed it): then the name is opened again."""
+    while True:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                current = os.stat(tmp)
+            except FileNotFoundError:
+                current = None
+            if current is not None and current.st_ino == os.fstat(fd).st_ino:
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
 
 
 # -- other schemes -------------------------------------------------------------------------
@@ -329,6 +393,12 @@ class Manifest:
     @property
     def num_tokens(self) -> int:
         return sum(r.num_tokens for r in self.refs)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template the samples were rendered with (``metadata["chat_template"]``, written by
+        ``specray capture``); None when the manifest does not record one (the tokenizer's own)."""
+        return self.metadata.get("chat_template")
 
 
 def write_manifest(

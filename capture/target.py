@@ -15,6 +15,12 @@ Two fingerprints identify what features were computed from (DESIGN.md §3):
 - target fingerprint: config (minus bookkeeping keys) + digest of every weight file;
 - template fingerprint: chat template + tokenizer (vocab, merges, normaliser) + special tokens.
 
+``load_target(name, chat_template=TEXT, chat_template_kwargs=KWARGS)`` renders with ``TEXT``
+instead of the tokenizer's own template (``data.chat_template``: a named template or a file,
+resolved by ``capture/chat.py``; needed for targets that have none) and with ``KWARGS`` written
+into the template (``data.chat_template_kwargs``); the template fingerprint is then the one of
+that template, so it covers both.
+
 Both are computed once per directory and cached under ``$SPECRAY_CACHE/fingerprints/``,
 keyed by the files' sizes and modification times.
 
@@ -39,6 +45,8 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from specray.capture.chat import with_template_kwargs
 
 DEFAULT_TARGET = "embedded:smollm2-135m-instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -82,6 +90,7 @@ class Target:
     tokenizer: object  # transformers fast tokenizer with a chat template
     target_fingerprint: str
     template_fingerprint: str
+    chat_template: str | None = None  # the template load_target set (None: the tokenizer's own, unchanged)
 
     @property
     def num_layers(self) -> int:
@@ -101,18 +110,38 @@ class Target:
         return self.tokenizer.eos_token_id if pad is None else pad
 
 
-def load_target(name: str = DEFAULT_TARGET, *, dtype: str = "float32", device: str = "cpu") -> Target:
-    """Resolve ``name`` to a directory (materialising embedded/debug targets) and load it."""
+def load_target(name: str = DEFAULT_TARGET, *, dtype: str = "float32", device: str = "cpu",
+                chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> Target:
+    """Resolve ``name`` to a directory (materialising embedded/debug targets) and load it.
+
+    ``chat_template``: template text to render with instead of the tokenizer's; ``chat_template_kwargs``:
+    values written into the template (module docstring)."""
     if dtype not in DTYPES:
         raise ValueError(f"target.dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
     path = resolve_target_dir(name)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    if not tokenizer.chat_template:
-        raise ValueError(f"target {name!r} has no chat template; specray renders every sample through it")
+    target_fp, template_fp = fingerprints(path, tokenizer)  # cached per directory: the tokenizer's own template
+    template = apply_chat_format(tokenizer, chat_template, chat_template_kwargs, name)
+    if template is not None:
+        template_fp = template_fingerprint(tokenizer)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device)
     model.eval().requires_grad_(False)
-    target_fp, template_fp = fingerprints(path, tokenizer)
-    return Target(name, path, model, tokenizer, target_fp, template_fp)
+    return Target(name, path, model, tokenizer, target_fp, template_fp, template)
+
+
+def apply_chat_format(tokenizer, chat_template: str | None, chat_template_kwargs: dict | None,
+                      name: str = "the target") -> str | None:
+    """Set ``tokenizer.chat_template`` to ``chat_template`` (if given) with ``chat_template_kwargs``
+    written in; returns the template set, None when the tokenizer's own is kept unchanged."""
+    base = chat_template if chat_template is not None else tokenizer.chat_template
+    if not base:
+        raise ValueError(f"target {name!r} has no chat template and specray renders every sample through one: "
+                         "set data.chat_template to a named template ('chatml', 'llama3') or a Jinja file")
+    template = with_template_kwargs(base, chat_template_kwargs)
+    if template == tokenizer.chat_template:
+        return None
+    tokenizer.chat_template = template
+    return template
 
 
 def resolve_target_dir(name: str) -> Path:

@@ -23,6 +23,14 @@ Mask (``block_attention_mask``), per query of the block anchored at ``a``:
   block) and only the last ``sliding_window`` context positions before the anchor;
 - nothing of any other block.
 
+**MASK token.** ``drafter.mask_token_id`` when set (0 included), else ``choose_mask_token``: the
+tokenizer's mask token, else the first embedding row past its vocabulary (Qwen3: 151669), else its
+lowest reserved/unused special token (Llama-3: 128002), else its unk token when that is a special
+token of its own (the debug target and SmolLM2: ``<|endoftext|>``, id 0); no candidate is an error
+naming ``drafter.mask_token_id``. The id and how it was chosen (``mask_token_origin``) are in the
+config, so in every export's ``config.json``; a saved config with id 0 that does not record its
+origin is refused (``DFlashConfig.from_dict``).
+
 **Block-key bias (our addition, not in the seed or the DFlash reference; off by default).** With
 ``block_key_bias > 0`` each head adds a learned logit bias (initialised to that value) to the keys
 of its own block. No peer model (vLLM, speculators) has it, so a drafter trained with it cannot be
@@ -56,6 +64,7 @@ being the position of the anchor token itself.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
@@ -85,6 +94,8 @@ class DFlashConfig:
     rope_theta: float = 10000.0
     block_key_bias: float = 0.0  # initial value of the learned per-head bias on in-block keys (0 = off: none)
     draft_vocab_size: int | None = None  # V_d: draft over the V_d most frequent answer tokens (None = all V)
+    # how mask_token_id was chosen (MASK_ORIGINS: choose_mask_token's rule, or set by the user / in code)
+    mask_token_origin: str = "config"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))
@@ -96,6 +107,8 @@ class DFlashConfig:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        if self.mask_token_origin not in MASK_ORIGINS:
+            raise ValueError(f"mask_token_origin must be one of {list(MASK_ORIGINS)}, got {self.mask_token_origin!r}")
         if self.attention not in ("full", "sliding"):
             raise ValueError(f"attention must be 'full' or 'sliding', got {self.attention!r}")
         if self.attention == "sliding" and not (self.sliding_window and self.sliding_window > 0):
@@ -117,19 +130,58 @@ class DFlashConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "DFlashConfig":
+        """The config of a saved ``to_dict()`` (an export's architecture, a checkpoint's drafter config).
+
+        One that does not record how its MASK was chosen and uses id 0 is refused: id 0 is an
+        ordinary text token in many tokenizers (``!`` in Llama-3's and Qwen3's), so every block
+        would be drafted from that token's embedding instead of a mask."""
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown DFlash config keys {sorted(unknown)}; valid keys: {sorted(known)}")
+        if "mask_token_origin" not in data:
+            if data.get("mask_token_id") == 0:
+                raise ValueError(
+                    "mask_token_id is 0 and the config does not record how it was chosen (mask_token_origin): id 0 "
+                    "is an ordinary text token in many tokenizers ('!' in Llama-3's and Qwen3's), not a MASK. Train "
+                    "it again with a MASK choice recorded (drafter.mask_token_id unset: a mask, unused or reserved "
+                    "token of the tokenizer), or set drafter.mask_token_id=0 if id 0 is one the data never holds")
+            data = {**data, "mask_token_origin": "unrecorded"}
         return cls(**data)
 
 
-def default_mask_token_id(tokenizer) -> int:
-    """The tokenizer's mask token, else its unk token, else 0."""
-    for candidate in (getattr(tokenizer, "mask_token_id", None), tokenizer.unk_token_id):
-        if candidate is not None:
-            return int(candidate)
-    return 0
+# How a DFlash-family MASK token was chosen: set in the manifest (drafter.mask_token_id), built in code
+# ("config"), one of choose_mask_token's rules, or an export that predates the record (a non-zero id).
+MASK_ORIGINS = ("drafter.mask_token_id", "config", "tokenizer.mask_token", "unused_embedding_row",
+                "reserved_special_token", "tokenizer.unk_token", "unrecorded")
+RESERVED_TOKEN = re.compile(r"reserved|unused", re.IGNORECASE)  # Llama-3 <|reserved_special_token_0|>, Gemma <unused0>
+
+
+def choose_mask_token(tokenizer, vocab_size: int) -> tuple[int, str]:
+    """(MASK id, how it was chosen) for a target: a token no text the drafter drafts after is made of.
+
+    In order: the tokenizer's mask token; the first embedding row past every token the tokenizer
+    knows (no text encodes to it: Qwen3's 151669, as z-lab's DFlash drafters use); the lowest
+    reserved or unused added special token (Llama-3's ``<|reserved_special_token_0|>``, 128002);
+    the unk token when it is an added special token and not the bos, eos or pad token (the debug
+    target's and SmolLM2's ``<|endoftext|>``, id 0). Otherwise a ``ValueError`` says how to set one."""
+    mask = getattr(tokenizer, "mask_token_id", None)
+    if mask is not None:
+        return int(mask), "tokenizer.mask_token"
+    past = max(tokenizer.get_vocab().values()) + 1
+    if past < vocab_size:
+        return past, "unused_embedding_row"
+    added = tokenizer.added_tokens_decoder  # {id: AddedToken}
+    reserved = sorted(i for i, t in added.items() if t.special and RESERVED_TOKEN.search(t.content) and i < vocab_size)
+    if reserved:
+        return reserved[0], "reserved_special_token"
+    unk = tokenizer.unk_token_id
+    roles = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id}
+    if unk is not None and unk not in roles and unk in added and added[unk].special and unk < vocab_size:
+        return int(unk), "tokenizer.unk_token"
+    raise ValueError("the target's tokenizer has no mask token, no embedding row past its vocabulary, no reserved or "
+                     "unused special token and no separate unk token to stand for MASK: set drafter.mask_token_id to "
+                     "the id of a token the training data never holds (e.g. an added special token)")
 
 
 class DFlashSection(DrafterSectionBase):
@@ -145,7 +197,9 @@ class DFlashSection(DrafterSectionBase):
     block_size: int = Field(8, description="B: anchor + B-1 draft tokens per block (>= 2)")
     attention: Literal["full", "sliding"] = Field("full", description="full: bidirectional in block; sliding: causal + window")
     sliding_window: int | None = Field(None, gt=0, description="context positions visible with attention=sliding")
-    mask_token_id: int | None = Field(None, ge=0, description="MASK token (None = tokenizer's mask, else unk, else 0)")
+    mask_token_id: int | None = Field(None, ge=0, description="MASK token id (None = chosen from the tokenizer: its "
+                                                               "mask token, else an embedding row past its vocabulary, "
+                                                               "else a reserved special token, else its unk token)")
     block_key_bias: float = Field(0.0, ge=0, description="initial value of a learned per-head logit bias on the "
                                                          "block's own keys (in no peer model: a drafter with it cannot "
                                                          "be exported as speculators); 0 = off, no such parameter")
@@ -160,10 +214,11 @@ class DFlashSection(DrafterSectionBase):
     def drafter_config(self, target: Any, layer_ids: tuple[int, ...]) -> DFlashConfig:
         """The model config of this section for ``target``, reading the captured ``layer_ids``."""
         sizes = target_sizes(target)
-        mask = self.mask_token_id if self.mask_token_id is not None else default_mask_token_id(target.tokenizer)
+        mask, origin = ((self.mask_token_id, "drafter.mask_token_id") if self.mask_token_id is not None
+                        else choose_mask_token(target.tokenizer, target.vocab_size))
         return DFlashConfig(
             hidden_size=target.hidden_size, vocab_size=target.vocab_size, target_layer_ids=tuple(layer_ids),
-            mask_token_id=mask, num_layers=self.num_layers,
+            mask_token_id=mask, mask_token_origin=origin, num_layers=self.num_layers,
             num_heads=self.num_heads or sizes["num_heads"], num_kv_heads=self.num_kv_heads or sizes["num_kv_heads"],
             head_dim=self.head_dim or sizes["head_dim"],
             intermediate_size=self.intermediate_size or sizes["intermediate_size"],
@@ -177,10 +232,11 @@ def debug_config(target: Any, layer_ids: tuple[int, ...] | None = None) -> DFlas
     """A tiny DFlash config for tests on ``target`` (1 layer, 4 heads of 16, B = 4), reading
     ``layer_ids`` (None: low, middle and high layers ``(1, L // 2, L - 3)``)."""
     L = target.model.config.num_hidden_layers
+    mask, origin = choose_mask_token(target.tokenizer, target.vocab_size)
     return DFlashConfig(
         hidden_size=target.hidden_size, vocab_size=target.vocab_size,
         target_layer_ids=tuple(layer_ids) if layer_ids is not None else (1, L // 2, L - 3),
-        mask_token_id=default_mask_token_id(target.tokenizer), num_layers=1, num_heads=4, num_kv_heads=2,
+        mask_token_id=mask, mask_token_origin=origin, num_layers=1, num_heads=4, num_kv_heads=2,
         head_dim=16, intermediate_size=128, block_size=4,
     )
 

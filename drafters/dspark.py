@@ -29,10 +29,13 @@ never the backbone's softmax).
 survival of a prefix.
 
 **Calibration (§5.4).** ``specray calibrate`` fits one temperature per position on held-out features
-(``trainer/strategies/dspark.py``, Sequential Temperature Scaling) and writes ``calibration.json``
-into the export; loading the export reads it (``attach_export``) into ``confidence_temperature``
-[B], and drafting returns ``σ(z_k / T_k)``. Training and the teacher-forced ``corrected`` read the raw
-logits. A calibration file fitted for another block size or another export is refused.
+(``trainer/strategies/dspark.py``, Sequential Temperature Scaling), once per serving mode
+(``CALIBRATION_MODES``: ``greedy`` calibrates the survival of an argmax draft, ``sampling`` that of a
+sampled one), and writes both tables into the export's ``calibration.json``; loading the export reads
+it (``attach_export``) into ``confidence_temperature`` [2, B] (row ``CALIBRATION_MODES.index(mode)``),
+and drafting returns ``σ(z_k / T_k)`` with each request's mode's row. Training and the teacher-forced
+``corrected`` read the raw logits. A calibration file fitted for another block size or another export,
+or one without a table per mode, is refused.
 
 Module names are the speculators ``dspark`` model's (``markov_head.*``, ``confidence_head.proj.*``),
 so the peer export (``drafters/peer.py``) renames only the backbone.
@@ -41,6 +44,7 @@ so the peer export (``drafters/peer.py``) renames only the backbone.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal
@@ -55,6 +59,7 @@ from specray.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashSection
 
 HEAD_TYPES = ("vanilla", "gated", "rnn")
 CALIBRATION_FILE = "calibration.json"  # in an export directory, written by `specray calibrate`
+CALIBRATION_MODES = ("greedy", "sampling")  # serving modes, each with its own temperature table
 
 
 @dataclass(frozen=True)
@@ -185,14 +190,17 @@ class DSparkDrafter(DFlashDrafter):
         self.markov_head = SequenceHead(config)
         extra = config.markov_rank if config.confidence_head_with_markov else 0
         self.confidence_head = ConfidenceHead(config.hidden_size + extra)
-        # [B] per-position temperatures of the confidence logits; not in the state dict (calibration.json)
-        self.register_buffer("confidence_temperature", torch.ones(config.block_size), persistent=False)
+        # [modes, B] per-mode, per-position temperatures of the confidence logits (rows in CALIBRATION_MODES
+        # order); not in the state dict (calibration.json)
+        self.register_buffer("confidence_temperature", torch.ones(len(CALIBRATION_MODES), config.block_size),
+                             persistent=False)
 
     def attach_export(self, export_dir: str | Path) -> None:
         """Read ``calibration.json`` of the export this drafter was loaded from, if there is one."""
         path = Path(export_dir) / CALIBRATION_FILE
         if path.is_file():
-            self.confidence_temperature.copy_(torch.tensor(read_calibration(export_dir, self.config.block_size)))
+            tables = read_calibration(export_dir, self.config.block_size)
+            self.confidence_temperature.copy_(torch.tensor([tables[mode] for mode in CALIBRATION_MODES]))
 
     def confidence_logits(self, hidden: torch.Tensor, prev_emb: torch.Tensor) -> torch.Tensor:
         """hidden [..., D], prev_emb [..., r] -> confidence logits [...]."""
@@ -213,20 +221,24 @@ class DSparkDrafter(DFlashDrafter):
         hidden = self.block_hidden(hidden_states, context_valid, anchor_ids, anchors)  # [Bt, N, B, D]
         return self.corrected(hidden, prev_ids)
 
-    def draft(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, pick: Pick):
+    def draft(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, pick: Pick, greedy: torch.Tensor | bool):
         """Draft left to right through the heads.
 
         hidden [Bt, k, D]: the block's first k rows; anchor_ids [Bt] (target ids); ``pick`` draws each
-        row's draft from its corrected logits. Returns (drafts [Bt, k] target ids, q [Bt, k, V_d]
-        the distributions they were drawn from (None when ``pick`` gave none), calibrated confidence
-        [Bt, k] in (0, 1): ``c_{j+1}`` reads the drafts before ``d_{j+1}``, never ``d_{j+1}`` itself)."""
+        row's draft from its corrected logits; ``greedy`` [Bt] bool (or one bool for all): which rows
+        are greedy requests, whose confidences use the greedy table (the others the sampling one).
+        Returns (drafts [Bt, k] target ids, q [Bt, k, V_d] the distributions they were drawn from
+        (None when ``pick`` gave none), calibrated confidence [Bt, k] in (0, 1): ``c_{j+1}`` reads the
+        drafts before ``d_{j+1}``, never ``d_{j+1}`` itself)."""
         base = self.logits(hidden)  # [Bt, k, V_d]
+        mode = (~torch.as_tensor(greedy, device=hidden.device).bool()).long().expand(hidden.shape[0])  # [Bt] row
+        temperature = self.confidence_temperature[mode]  # [Bt, B]
         prev, state = anchor_ids, self.markov_head.initial_state(hidden[:, 0])
         drafts, qs, confidence = [], [], []
         for k in range(hidden.shape[1]):
             prev_emb = self.markov_head.prev_embeddings(prev).to(hidden.dtype)  # [Bt, r]
             bias, state = self.markov_head.step(prev_emb, hidden[:, k], state)
-            z = self.confidence_logits(hidden[:, k], prev_emb) / self.confidence_temperature[k]  # [Bt]
+            z = self.confidence_logits(hidden[:, k], prev_emb) / temperature[:, k]  # [Bt]
             confidence.append(torch.sigmoid(z))
             index, q = pick(base[:, k] + bias, k)
             prev = self.draft_to_target(index)
@@ -245,30 +257,46 @@ def export_identity(export_dir: str | Path) -> dict:
             "weights_sha256": export["weights_sha256"]}
 
 
-def write_calibration(export_dir: str | Path, temperatures: list[float], report: dict) -> Path:
-    """Write ``calibration.json`` (one temperature per position, the export's identity, ``report``)."""
+def write_calibration(export_dir: str | Path, tables: dict[str, list[float]], report: dict) -> Path:
+    """Write ``calibration.json``: per mode of ``CALIBRATION_MODES`` its temperatures [B] (and its part of
+    ``report["modes"]``), the export's identity and the rest of ``report``."""
+    if sorted(tables) != sorted(CALIBRATION_MODES) or len({len(t) for t in tables.values()}) != 1:
+        raise ValueError(f"calibration needs one table per mode {list(CALIBRATION_MODES)}, all of one block size; "
+                         f"got {({m: len(t) for m, t in tables.items()})}")
+    per_mode = report.get("modes", {})
     path = Path(export_dir) / CALIBRATION_FILE
-    body = {"method": "sequential_temperature_scaling", "block_size": len(temperatures),
-            "temperatures": list(temperatures), **export_identity(export_dir), **report}
+    body = {"method": "sequential_temperature_scaling", "block_size": len(next(iter(tables.values()))),
+            **export_identity(export_dir), **{k: v for k, v in report.items() if k != "modes"},
+            "modes": {mode: {**per_mode.get(mode, {}), "temperatures": [float(t) for t in tables[mode]]}
+                      for mode in CALIBRATION_MODES}}
     path.write_text(json.dumps(body, indent=2) + "\n")
     return path
 
 
-def read_calibration(export_dir: str | Path, block_size: int) -> list[float]:
-    """The temperatures [B] of ``export_dir``'s calibration file, checked against the export's
-    block size and identity (ValueError naming the file and the fix otherwise)."""
+def read_calibration(export_dir: str | Path, block_size: int) -> dict[str, list[float]]:
+    """The temperature table [B] of each serving mode in ``export_dir``'s calibration file, checked against
+    the export's block size and identity (ValueError naming the file and the fix otherwise)."""
     path = Path(export_dir) / CALIBRATION_FILE
     fix = (f"re-run `specray calibrate {export_dir} --manifest HELDOUT` to fit it for this export "
            f"(or delete {path} to serve uncalibrated confidences)")
     body = json.loads(path.read_text())
-    if body.get("block_size") != block_size or len(body.get("temperatures", ())) != block_size:
+    modes = body.get("modes")
+    if not isinstance(modes, dict) or sorted(modes) != sorted(CALIBRATION_MODES):
+        raise ValueError(f"{path} has no temperature table per serving mode {list(CALIBRATION_MODES)} (greedy "
+                         "survival is an argmax match, sampling survival the overlap 1 - TV: one table cannot "
+                         f"serve both): {fix}")
+    tables = {mode: modes[mode].get("temperatures") if isinstance(modes[mode], dict) else None
+              for mode in CALIBRATION_MODES}
+    if body.get("block_size") != block_size or any(not isinstance(t, list) or len(t) != block_size
+                                                   for t in tables.values()):
         raise ValueError(f"{path} was fitted for block_size {body.get('block_size')}, the export has "
                          f"{block_size}: {fix}")
     identity = export_identity(export_dir)
     wrong = sorted(key for key, value in identity.items() if body.get(key) != value)
     if wrong:
         raise ValueError(f"{path} was fitted for another export ({', '.join(wrong)} differ): {fix}")
-    temperatures = [float(t) for t in body["temperatures"]]
-    if not all(t > 0 for t in temperatures):
-        raise ValueError(f"{path}: temperatures must be > 0, got {temperatures}: {fix}")
-    return temperatures
+    tables = {mode: [float(t) for t in temps] for mode, temps in tables.items()}
+    bad = {mode: temps for mode, temps in tables.items() if not all(math.isfinite(t) and t > 0 for t in temps)}
+    if bad:
+        raise ValueError(f"{path}: temperatures must be finite and > 0, got {bad}: {fix}")
+    return tables

@@ -116,18 +116,11 @@ def _live_evaluation(args: argparse.Namespace) -> dict:
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     import json
 
-    from specray.pipeline.jobs.calibrate import calibrate_export
+    from specray.pipeline.jobs.calibrate import calibrate_export, calibration_table
 
     result = calibrate_export(args.export, args.manifest, target_name=args.target, endpoint_url=args.endpoint_url,
                               bins=args.bins)
-
-    def fmt(values: list[float]) -> str:
-        return " ".join(f"{v:.3f}" for v in values)
-
-    print(f"blocks       {result['blocks']}\ntemperatures {fmt(result['temperatures'])}\n"
-          f"ECE before   {result['ece_before']:.4f}  by pos {fmt(result['ece_by_pos_before'])}\n"
-          f"ECE after    {result['ece_after']:.4f}  by pos {fmt(result['ece_by_pos_after'])}\n"
-          f"wrote        {result['path']}")
+    print(calibration_table(result))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -15,8 +15,9 @@ from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationEr
                       model_validator)
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from specray.capture.chat import NAMED_TEMPLATES, check_chat_template, check_template_kwargs
 from specray.capture.contract import CONTRACT_SPECS, STORAGE_DTYPES
-from specray.capture.data import DATASETS
+from specray.capture.data import DATASETS, ROW_DATASETS
 from specray.capture.target import DEFAULT_TARGET
 from specray.drafters import DEFAULT_ALGORITHM, DRAFTERS, get_drafter
 from specray.serving.http_guard import HttpLimits
@@ -42,32 +43,58 @@ class TargetConfig(Section):
     device: str = Field("cpu", description="torch device for the target")
 
 
+def _chat_template_field() -> Any:
+    return Field(None, description=f"render with this template instead of the tokenizer's: {sorted(NAMED_TEMPLATES)} "
+                                   "or a Jinja file (None = the tokenizer's own; targets without one need it)")
+
+
+def _chat_template_kwargs_field() -> Any:
+    return Field(default_factory=dict, description="values the template reads, e.g. {enable_thinking: false}; "
+                                                   "written into the template (its fingerprint covers them)")
+
+
 class DataConfig(Section):
-    dataset: str = Field("sharegpt", description="sharegpt, jsonl:PATH, or records:URI (recorded served traffic; "
-                                                 "mtbench/humaneval are eval-only)")
+    dataset: str = Field("sharegpt", description="sharegpt, jsonl:PATH, parquet:PATH (a file or a directory of them), "
+                                                 "hf:PATH (a datasets save_to_disk directory), or records:URI "
+                                                 "(recorded served traffic; mtbench/humaneval are eval-only)")
     skip: int = Field(0, ge=0, description="skip the first N conversations (e.g. a held-out slice after a training slice)")
     max_samples: int | None = Field(None, gt=0, description="use at most this many conversations (None = all)")
     max_length: int = Field(2048, gt=0, description="maximum tokens per rendered sample")
     truncation: Literal["truncate", "drop"] = Field(
         "truncate", description="truncate: keep the first max_length tokens; drop: skip longer samples"
     )
+    id_field: str | None = Field(None, min_length=1, description="jsonl/parquet/hf: the column holding each sample's "
+                                                                "id, required in every row and unique (None = a "
+                                                                "row's 'id' when it has one, else generated)")
+    chat_template: str | None = _chat_template_field()
+    chat_template_kwargs: dict[str, Any] = _chat_template_kwargs_field()
 
     @field_validator("dataset")
     @classmethod
     def _known_dataset(cls, value: str) -> str:
-        if value.startswith("jsonl:"):
-            if not value.removeprefix("jsonl:"):
-                raise ValueError("jsonl: needs a path, e.g. jsonl:data/chats.jsonl")
-            return value
-        if value.startswith("records:"):
-            if not value.removeprefix("records:"):
-                raise ValueError("records: needs the record store (serve.record.uri), e.g. records:s3://bucket/traffic")
-            return value
+        for prefix, example in (("jsonl:", "jsonl:data/chats.jsonl"), ("parquet:", "parquet:data/chats.parquet"),
+                                ("hf:", "hf:data/chats (a datasets save_to_disk directory)"),
+                                ("records:", "records:s3://bucket/traffic (serve.record.uri)")):
+            if value.startswith(prefix):
+                if not value.removeprefix(prefix):
+                    raise ValueError(f"{prefix} needs a location, e.g. {example}")
+                return value
         if value not in DATASETS:
-            raise ValueError(f"unknown dataset {value!r}; use one of {sorted(DATASETS)}, jsonl:PATH or records:URI")
+            raise ValueError(f"unknown dataset {value!r}; use one of {sorted(DATASETS)}, jsonl:PATH, parquet:PATH, "
+                             "hf:PATH or records:URI")
         if DATASETS[value].split == "eval":
             raise ValueError(f"{value!r} is held out for evaluation; capture training data from sharegpt or jsonl:PATH")
         return value
+
+    _known_template = field_validator("chat_template")(classmethod(lambda cls, value: check_chat_template(value)))
+    _template_values = field_validator("chat_template_kwargs")(classmethod(lambda cls, value: check_template_kwargs(value)))
+
+    @model_validator(mode="after")
+    def _id_field_of_rows(self) -> "DataConfig":
+        if self.id_field is not None and not self.dataset.startswith(ROW_DATASETS):
+            raise ValueError(f"id_field={self.id_field!r} names a column of jsonl:, parquet: or hf: rows; dataset "
+                             f"{self.dataset!r} has its own ids: remove data.id_field")
+        return self
 
 
 class CaptureConfig(Section):
@@ -427,6 +454,12 @@ class ServeJobConfig(JobConfig):
     record: RecordSettings = _record_field()
     ray: RaySection = RaySection()
     output: ServeOutputSection = ServeOutputSection()
+    # the chat format the served drafters were captured with (their capture's data.chat_template / _kwargs)
+    chat_template: str | None = _chat_template_field()
+    chat_template_kwargs: dict[str, Any] = _chat_template_kwargs_field()
+
+    _known_template = field_validator("chat_template")(classmethod(lambda cls, value: check_chat_template(value)))
+    _template_values = field_validator("chat_template_kwargs")(classmethod(lambda cls, value: check_template_kwargs(value)))
 
     @property
     def served_model_name(self) -> str:
@@ -583,6 +616,7 @@ class PipelineConfig(JobConfig):
             autoscaling=s.autoscaling, replica=s.replica, http=s.http, ray=self.ray,
             record=s.record.model_copy(update={"endpoint_url": s.record.endpoint_url or self.store.endpoint_url}),
             output=ServeOutputSection(run_dir=str(self.run_dir / "serve")),
+            chat_template=self.data.chat_template, chat_template_kwargs=self.data.chat_template_kwargs,
         )
 
     @property

@@ -16,7 +16,7 @@ vocabulary counted once from the training manifest or ``drafter.draft_vocab_from
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,7 +25,7 @@ from torch import nn
 
 from specray.capture.contract import CaptureContract, ContractMismatchError, build_contract
 from specray.capture.store import Manifest, open_store, read_manifest
-from specray.capture.target import Target, load_target, resolve_target_dir
+from specray.capture.target import Target, apply_chat_format, load_target, resolve_target_dir
 from specray.drafters.common import DrafterSectionBase
 from specray.trainer.core import OptimSettings, TrainerCore
 from specray.trainer.loader import FeatureLoader
@@ -58,6 +58,8 @@ class TrainSpec:
     keep_last: int | None  # checkpoints kept (None = all)
     config: dict  # the job's whole config as JSON, recorded in every checkpoint's provenance
     live_eval: Any = None  # serving/live_eval.py LiveEvalSettings: measured at each checkpoint (None = off)
+    # the chat template the features were rendered with (a manifest's ``chat_template``; None = the tokenizer's)
+    chat_template: str | None = None
 
     @property
     def algorithm(self) -> str:
@@ -166,6 +168,7 @@ def _count_vocab(spec: TrainSpec, manifest: Manifest | None, store) -> DraftVoca
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(resolve_target_dir(spec.target))
+        apply_chat_format(tokenizer, spec.chat_template, None, spec.target)
         return dataset_vocabulary(d.draft_vocab_from, tokenizer, d.draft_vocab_size,
                                   max_length=spec.max_length or RENDER_MAX_LENGTH, limit=d.draft_vocab_samples,
                                   endpoint_url=spec.endpoint_url, source=source)
@@ -224,7 +227,8 @@ def build_rank(spec: TrainSpec, contract: CaptureContract, *, rank: int = 0, wor
     With ``drafter.draft_vocab_size`` the vocabulary comes from ``drafter.init_from`` or from
     ``draft_vocab`` (``prepare_draft_vocab``)."""
     strategy = get_strategy(spec.algorithm)(spec.objective, seed=spec.seed)
-    target = load_target(spec.target, dtype=spec.target_dtype, device=spec.target_device)
+    target = load_target(spec.target, dtype=spec.target_dtype, device=spec.target_device,
+                         chat_template=spec.chat_template)
     expected = expected_contract(spec.algorithm, target, contract)
     model_cfg = spec.drafter.drafter_config(target, expected.layer_ids)
     model = fresh_drafter(model_cfg, strategy, target, seed=spec.seed)
@@ -245,7 +249,8 @@ def build_rank(spec: TrainSpec, contract: CaptureContract, *, rank: int = 0, wor
         "drafter_config": model_cfg.to_dict(),
         "contract": json.loads(contract.to_json()),
         "provenance": {"run": spec.name, "run_dir": spec.run_dir, "target": spec.target, "world_size": world_size,
-                       "config": spec.config, **(provenance or {}), **vocab},
+                       "config": spec.config, **(provenance or {}), **vocab,
+                       **({"chat_template": spec.chat_template} if spec.chat_template is not None else {})},
     }
     return RankParts(core, expected, extra, target)
 
@@ -268,6 +273,7 @@ def build_trainer(spec: TrainSpec, *, rank: int = 0, world_size: int = 1,
                          "SampleBroker instead (actors/trainer.py run_trainer_gang)")
     manifest = read_manifest(spec.manifest, endpoint_url=spec.endpoint_url)
     check_manifest_fits(spec, manifest.contract)
+    spec = replace(spec, chat_template=manifest.chat_template)  # render as the features were
     store = open_store(manifest.store_uri, endpoint_url=spec.endpoint_url)
     parts = build_rank(spec, manifest.contract, rank=rank, world_size=world_size,
                        provenance={"manifest": spec.manifest, "samples": len(manifest.refs)},

@@ -24,10 +24,11 @@ from pathlib import Path
 import yaml
 from tqdm import tqdm
 
+from specray.capture.chat import resolve_chat_template
 from specray.capture.contract import CaptureContract, build_contract
 from specray.capture.data import ChatRenderer, RenderedSample, load_conversations
 from specray.capture.server import CaptureServer, pack_batches
-from specray.capture.store import Manifest, SampleRef, open_store, read_manifest, write_manifest
+from specray.capture.store import Manifest, SampleRef, feature_key, open_store, read_manifest, write_manifest
 from specray.capture.target import Target, load_target
 from specray.pipeline.config import CaptureJobConfig
 
@@ -78,11 +79,34 @@ def contract_for(target: Target, cfg: CaptureJobConfig) -> CaptureContract:
 def render_dataset(target: Target, cfg: CaptureJobConfig) -> tuple[list[RenderedSample], dict[str, int]]:
     renderer = ChatRenderer(target.tokenizer, max_length=cfg.data.max_length, truncation=cfg.data.truncation)
     samples = []
-    for conversation in load_conversations(cfg.data.dataset, purpose="train", limit=cfg.data.max_samples, skip=cfg.data.skip):
+    for conversation in load_conversations(cfg.data.dataset, purpose="train", limit=cfg.data.max_samples,
+                                           skip=cfg.data.skip, id_field=cfg.data.id_field,
+                                           endpoint_url=cfg.store.endpoint_url):
         sample = renderer.render(conversation)
         if sample is not None:
             samples.append(sample)
     return samples, dict(renderer.skipped)
+
+
+def check_unique_keys(samples: list[RenderedSample], contract: CaptureContract) -> None:
+    """Refuse a plan in which two samples share an id or a store key (one blob would replace the other)."""
+    owners: dict[str, str] = {}
+    for sample in samples:
+        key = feature_key(contract.contract_id, sample.sample_id)
+        other = owners.setdefault(key, sample.sample_id)
+        if other is not sample.sample_id:
+            what = "sample id" if other == sample.sample_id else "feature key"
+            raise ValueError(f"samples {other!r} and {sample.sample_id!r} share one {what} ({key}): one blob "
+                             "would replace the other; every sample needs its own id (data.id_field)")
+
+
+def chat_record(target: Target, cfg: CaptureJobConfig) -> dict:
+    """What the manifest records of the chat format: the template (when not the tokenizer's own, so the
+    trainer renders and fingerprints as capture did) and the settings it came from."""
+    if target.chat_template is None:
+        return {}
+    return {"chat_template": target.chat_template, "chat_template_source": cfg.data.chat_template,
+            "chat_template_kwargs": dict(cfg.data.chat_template_kwargs)}
 
 
 @dataclass(frozen=True)
@@ -109,11 +133,14 @@ def plan_capture(cfg: CaptureJobConfig) -> CapturePlan:
             )
         previous = read_manifest(manifest_uri)
 
-    target = load_target(cfg.target.name, dtype=cfg.target.dtype, device=cfg.target.device)
+    target = load_target(cfg.target.name, dtype=cfg.target.dtype, device=cfg.target.device,
+                         chat_template=resolve_chat_template(cfg.data.chat_template),
+                         chat_template_kwargs=cfg.data.chat_template_kwargs)
     contract = contract_for(target, cfg)
     samples, skipped = render_dataset(target, cfg)
     if not samples:
         raise ValueError(f"dataset {cfg.data.dataset!r} gave no usable samples (skipped: {skipped})")
+    check_unique_keys(samples, contract)
     batches = pack_batches(samples, max_batch_tokens=cfg.capture.max_batch_tokens, max_batch_size=cfg.capture.max_batch_size)
     return CapturePlan(manifest_uri, previous, target, contract, samples, skipped, batches)
 
@@ -145,7 +172,7 @@ def run_capture_on_ray(cfg: CaptureJobConfig, *, num_actors: int, num_cpus_per_a
     refs: list[SampleRef] = []
     with CapturePool(cfg.target.name, plan.contract, cfg.store_uri, endpoint_url=cfg.store.endpoint_url,
                      num_actors=num_actors, num_cpus_per_actor=num_cpus_per_actor,
-                     target_dtype=cfg.target.dtype) as pool:
+                     target_dtype=cfg.target.dtype, chat_template=plan.target.chat_template) as pool:
         pool.wait_ready()  # capture time (tokens/s) excludes the actors' start-up
         stats = pool.run(((f"batch-{i:06d}", batch) for i, batch in enumerate(plan.batches)),
                          lambda _, batch_refs: refs.extend(batch_refs), progress=progress)
@@ -158,7 +185,8 @@ def finish_capture(cfg: CaptureJobConfig, plan: CapturePlan, refs: list[SampleRe
     refs = sorted(refs, key=lambda r: r.sample_id)
     write_manifest(
         plan.manifest_uri, refs, contract=contract, store_uri=cfg.store_uri, overwrite=cfg.output.overwrite,
-        metadata={"dataset": cfg.data.dataset, "target": cfg.target.name, "run": cfg.name},
+        metadata={"dataset": cfg.data.dataset, "target": cfg.target.name, "run": cfg.name,
+                  **chat_record(plan.target, cfg)},
     )
     if previous is not None:
         # Only now that the new manifest is durable: drop blobs it no longer references.

@@ -57,7 +57,7 @@ import shutil
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from specray.pipeline.config import PipelineConfig
@@ -351,7 +351,7 @@ def _train_online(cfg: PipelineConfig, report: PipelineReport, progress: bool) -
                                  contract=plan.contract, store_uri=cfg.store_uri, endpoint_url=cfg.store.endpoint_url)
     pool = CapturePool(cfg.target.name, plan.contract, cfg.store_uri, endpoint_url=cfg.store.endpoint_url,
                        num_actors=cfg.capture.num_actors, num_cpus_per_actor=cfg.capture.num_cpus_per_actor,
-                       target_dtype=cfg.target.dtype)
+                       target_dtype=cfg.target.dtype, chat_template=plan.target.chat_template)
     if dispatched:
         _adopt_leftovers(state, broker, pool.store, keys)
     producer = _Producer(pool, broker, plan, progress, skip=dispatched)
@@ -359,7 +359,9 @@ def _train_online(cfg: PipelineConfig, report: PipelineReport, progress: bool) -
         producer.start()
         try:
             with _TrainProgress(steps, progress, position=1) as on_record:  # below the capture bar
-                result = run_trainer_gang(train_job.train_spec(), num_workers=t.num_workers, storage_path=storage,
+                # the gang renders (live evaluation) and fingerprints with the capture's chat template
+                spec = replace(train_job.train_spec(), chat_template=plan.target.chat_template)
+                result = run_trainer_gang(spec, num_workers=t.num_workers, storage_path=storage,
                                           ledger_uri=ledger_uri, broker=broker, max_failures=t.max_failures,
                                           cpus_per_worker=t.cpus_per_worker, on_record=on_record)
         except Exception:

@@ -123,7 +123,7 @@ def evaluate_export(export_dir: str, manifest_uri: str, *, target_name: str, end
     from specray.trainer.evaluate import evaluate
 
     manifest = read_manifest(manifest_uri, endpoint_url=endpoint_url)
-    target = load_target(target_name)
+    target = load_target(target_name, chat_template=manifest.chat_template)  # as the manifest was rendered
     contract = json.loads(manifest.contract.to_json())
     model = load_drafter(export_dir, embed_tokens=target.model.model.embed_tokens, lm_head=target.model.lm_head,
                          target_fingerprint=target.target_fingerprint,

@@ -8,7 +8,8 @@ plain step, ``B·k`` verifies every request's ``k`` drafts, ``k = verify_sizes[-
 
     propose   block [a, MASK × (B−1)] at positions n … n+B−1 over context rows < n; rows 0 … k−1
               give backbone logits U; d_j ~ q_j = softmax(U_{j−1} + bias(d_{j−1})), d_0 = a
-              (argmax for a greedy request), and a calibrated confidence c_j per draft
+              (argmax for a greedy request), and a confidence c_j per draft, calibrated with the
+              table of the request's mode (greedy: argmax-match survival; sampling: 1 − TV)
     schedule  survival A_j = c_1 ⋯ c_j; the K draft slots of the batch with the highest survival
               (ties: position, then request) -> ℓ_r drafts per request, a prefix
               (``kernels/verify_schedule.py``)
@@ -118,7 +119,8 @@ class DSparkWorker(DFlashWorker):
         """``propose`` plus the calibrated confidences [B, k] of the drafts."""
         anchor_ids = torch.tensor(anchors)
         hidden = self.block_hidden(slots, anchors, slice(0, k))  # [B, k, D]: anchor-predict, row j drafts d_{j+1}
-        drafts, q, confidence = self.drafter.draft(hidden, anchor_ids, self._picker(params, generators))
+        greedy = torch.tensor([p.greedy for p in params])  # [B] each request's calibration table (its mode)
+        drafts, q, confidence = self.drafter.draft(hidden, anchor_ids, self._picker(params, generators), greedy)
         self.confidence_sum[:k] += confidence.sum(0).double()
         self.confidence_count[:k] += len(slots)
         qs = [None if p.greedy else self.drafter.to_target_distribution(q[b]) for b, p in enumerate(params)]

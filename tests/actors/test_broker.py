@@ -315,3 +315,26 @@ def test_actor_fail_wakes_every_rank_waiting_for_a_window_or_a_recapture(ray_clu
             ray.get(request, timeout=30)
     assert time.monotonic() - started < 10
     ray.kill(broker)
+
+
+def test_two_samples_on_one_store_key_are_refused():
+    """The second blob written under a key replaces the first: the broker refuses to carry both refs."""
+    queue = WindowQueue(2, max_inflight=8)
+    queue.rewind(0, quantum=2, world_size=1, step=0)
+    first = _ref("conv/1")
+    clash = SampleRef("conv_1", first.key, first.tensors, 4, 100, first.checksum, first.contract)
+    assert queue.try_reserve(2, 200)
+    with pytest.raises(ValueError, match=r"samples 'conv/1' and 'conv_1' name one store key"):
+        queue.offer([first, clash], reserved_bytes=200)  # in one offer
+    queue.offer([first], reserved_bytes=100)
+    with pytest.raises(ValueError, match=r"samples 'conv/1' and 'conv_1' name one store key"):
+        queue.offer([clash], reserved_bytes=100)  # against a ref in flight
+    ready, window = queue.try_window(0, 1)
+    assert not ready
+    queue.offer([_ref("b")], reserved_bytes=100)
+    ready, window = queue.try_window(0, 1)
+    assert ready and _ids(window) == ["conv/1", "b"]
+    queue.release(["conv/1", "b"])  # trained and deleted: the key still names conv/1's blob in the ledger
+    assert queue.try_reserve(1, 100)
+    with pytest.raises(ValueError, match=r"name one store key"):
+        queue.offer([clash], reserved_bytes=100)

@@ -253,3 +253,18 @@ def test_recapture_writes_only_the_lost_samples_with_the_first_bytes(ray_cluster
             pool.recapture(batches[1], only=[])
     finally:
         pool.close()
+
+
+def test_ray_capture_actors_render_with_the_jobs_chat_template(ray_cluster, tmp_path):
+    """data.chat_template_kwargs change the template fingerprint: every actor loads the target with the
+    plan's template, so its contract matches and the blobs equal the in-process capture's."""
+    kwargs = ["data.chat_template=chatml", "data.chat_template_kwargs.unused_flag=true", "data.max_samples=4"]
+    local = load_config(CaptureJobConfig, "manifests/capture-quickstart.yaml", [
+        "name=local", "target.name=debug", "data.max_length=128", f"output.run_dir={tmp_path / 'local'}", *kwargs])
+    on_ray = local.model_copy(update={"name": "ray", "output": local.output.model_copy(
+        update={"run_dir": str(tmp_path / "ray")})})
+    a = read_manifest(run_capture(local, progress=False).manifest)
+    b = read_manifest(run_capture_on_ray(on_ray, num_actors=1, num_cpus_per_actor=CPUS, progress=False).manifest)
+    assert a.chat_template is not None and a.chat_template == b.chat_template
+    assert a.contract == b.contract
+    assert [(r.key, r.checksum) for r in a.refs] == [(r.key, r.checksum) for r in b.refs]

@@ -165,3 +165,78 @@ def test_skip_gives_the_slice_after_a_training_slice():
     after = [c.id for c in load_conversations("sharegpt", limit=3, skip=5)]
     assert len(after) == 3 and not set(first) & set(after)
     assert [c.id for c in load_conversations("sharegpt", limit=8)] == first + after
+
+
+CHAT = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+
+
+def test_a_repeated_id_is_refused_naming_every_repeat(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    lines = [{"id": "x", "messages": CHAT}, {"id": "y", "messages": CHAT}, {"id": "x", "messages": CHAT},
+             {"id": 7, "messages": CHAT}, {"id": "7", "messages": CHAT}, {"id": "z", "messages": CHAT}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(ValueError, match=r"repeats sample ids \(2 ids: 'x' at .*chats.jsonl:1, .*chats.jsonl:3; "
+                                         r"'7' at .*chats.jsonl:4, .*chats.jsonl:5\)"):
+        list(load_conversations(f"jsonl:{path}"))
+    assert [c.id for c in load_conversations(f"jsonl:{path}", limit=2)] == ["x", "y"]  # the slice read is unique
+    same = tmp_path / "same.jsonl"  # identical lines without ids get distinct generated ids
+    same.write_text((json.dumps({"messages": CHAT}) + "\n") * 3)
+    assert len({c.id for c in load_conversations(f"jsonl:{same}")}) == 3
+
+
+def test_ids_from_a_named_column(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps({"uid": f"u{i}", "id": "same", "messages": CHAT}) + "\n" for i in range(3)))
+    assert [c.id for c in load_conversations(f"jsonl:{path}", id_field="uid")] == ["u0", "u1", "u2"]
+    path.write_text(json.dumps({"uid": "u0", "messages": CHAT}) + "\n" + json.dumps({"messages": CHAT}) + "\n")
+    with pytest.raises(ValueError, match=r"chats.jsonl:2: no 'uid' \(data.id_field"):
+        list(load_conversations(f"jsonl:{path}", id_field="uid"))
+    path.write_text(json.dumps({"uid": True, "messages": CHAT}) + "\n")
+    with pytest.raises(ValueError, match="must be a non-empty string or an integer, got True"):
+        list(load_conversations(f"jsonl:{path}", id_field="uid"))
+    with pytest.raises(ValueError, match="data.id_field='uid' names a column of jsonl:, parquet: or hf: rows"):
+        next(load_conversations("sharegpt", id_field="uid"))
+
+
+def _rows():
+    return [
+        {"conv_id": "a/1", "messages": [{"role": "user", "content": "hi"},
+                                        {"role": "assistant", "content": "yo", "reasoning_content": "greet"}]},
+        {"conv_id": "a_1", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
+                                        {"role": "assistant", "content": "r"}]},
+    ]
+
+
+def test_parquet_files_and_directories(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(_rows()), tmp_path / "part-0.parquet")
+    pq.write_table(pa.Table.from_pylist([{"conv_id": "b", "messages": CHAT}]), tmp_path / "part-1.parquet")
+    one = list(load_conversations(f"parquet:{tmp_path / 'part-0.parquet'}", id_field="conv_id"))
+    assert [c.id for c in one] == ["a/1", "a_1"]
+    assert one[0].messages == (("user", "hi"), ("assistant", "yo")) and one[0].reasoning == (None, "greet")
+    assert one[1].messages[0] == ("system", "s") and one[1].reasoning == ()
+    assert [c.id for c in load_conversations(f"parquet:{tmp_path}", id_field="conv_id")] == ["a/1", "a_1", "b"]
+    generated = [c.id for c in load_conversations(f"parquet:{tmp_path}")]  # no 'id' column: generated, unique
+    assert len(set(generated)) == 3 and generated[0].startswith("part-0-000000-")
+    with pytest.raises(ValueError, match="no such file or directory"):
+        next(load_conversations(f"parquet:{tmp_path / 'missing.parquet'}"))
+    pq.write_table(pa.Table.from_pylist([{"conv_id": "a/1", "messages": CHAT}]), tmp_path / "part-2.parquet")
+    with pytest.raises(ValueError, match=r"repeats sample ids \(1 ids: 'a/1' at .*part-0.parquet: row 0, "
+                                         r".*part-2.parquet: row 0\)"):
+        list(load_conversations(f"parquet:{tmp_path}", id_field="conv_id"))
+
+
+def test_hf_datasets_directory(tmp_path):
+    datasets = pytest.importorskip("datasets")
+
+    datasets.Dataset.from_list(_rows()).save_to_disk(str(tmp_path / "ds"))
+    convs = list(load_conversations(f"hf:{tmp_path / 'ds'}", id_field="conv_id"))
+    assert [c.id for c in convs] == ["a/1", "a_1"] and convs[0].reasoning == (None, "greet")
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(_rows())}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(ValueError, match=r"is a DatasetDict with splits \['train'\]; name one, e.g. hf:.*dd/train"):
+        next(load_conversations(f"hf:{tmp_path / 'dd'}"))
+    assert [c.id for c in load_conversations(f"hf:{tmp_path / 'dd' / 'train'}", id_field="conv_id")] == ["a/1", "a_1"]
+    with pytest.raises(ValueError, match="no such directory"):
+        next(load_conversations(f"hf:{tmp_path / 'nothing'}"))

@@ -201,3 +201,73 @@ def test_feature_data_is_fsynced_before_the_rename_and_the_directory_after(tmp_p
     monkeypatch.setattr(store_module.os, "replace", recorded_replace)
     _put(store)
     assert calls == [("fsync", False), ("replace", True), ("fsync", True)]  # data, rename, directory
+
+
+def test_distinct_sample_ids_get_distinct_keys():
+    from specray.capture.store import feature_key
+
+    ids = ["conv/1", "conv_1", "conv 1", "conv\\1", "Conv_1", "é", "_", "x" * 200, "x" * 200 + "y"]
+    keys = [feature_key("c0ffee", sid) for sid in ids]
+    assert len(set(keys)) == len(ids)
+    assert keys[0].startswith("features/c0ffee/conv_1-") and keys[1].startswith("features/c0ffee/conv_1-")
+    assert feature_key("c0ffee", "conv/1") == keys[0]  # deterministic: a re-capture lands on the same key
+    assert all(len(k.rsplit("/", 1)[1]) < 255 for k in keys)  # a file name on every filesystem
+    with pytest.raises(ValueError, match="non-empty string"):
+        feature_key("c0ffee", "")
+
+
+@pytest.mark.parametrize("tensors, message", [
+    ({"input_ids": [1, 2, 3]}, r"tensors\['input_ids'\] must be a torch.Tensor, got list"),
+    ({"hidden_states": torch.zeros(2, 2, dtype=torch.float64)}, r"tensors\['hidden_states'\] has dtype torch.float64"),
+    ({"x": torch.zeros(2, dtype=torch.complex64)}, r"tensors\['x'\] has dtype torch.complex64"),
+    ({}, "non-empty dict"),
+])
+def test_put_refuses_bad_tensors_before_writing(tmp_path, tensors, message):
+    root = tmp_path / "store"
+    store = FeatureStore(root.as_uri())
+    with pytest.raises(TypeError, match=message):
+        store.put("a/s0.safetensors", tensors, sample_id="s0", num_tokens=3, contract=CONTRACT.contract_id)
+    assert not any(p.is_file() for p in root.rglob("*"))  # no blob, no temp file
+
+
+def test_delete_does_not_list_the_directory(tmp_path, monkeypatch):
+    """A file:// delete is two unlinks by name: its cost does not grow with the blobs beside it."""
+    import os
+
+    import specray.capture.store as store_module
+
+    store = FeatureStore((tmp_path / "store").as_uri())
+    refs = [_put(store, f"a/s{i}.safetensors") for i in range(20)]
+
+    def crash(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store_module.os, "replace", crash)
+    with pytest.raises(KeyboardInterrupt):
+        _put(store, "a/dead.safetensors")  # a writer killed before its rename
+    monkeypatch.undo()
+
+    def no_listing(*args, **kwargs):
+        raise AssertionError("delete listed a directory")
+
+    for name in ("listdir", "scandir", "walk"):
+        monkeypatch.setattr(store_module.os, name, no_listing)
+    monkeypatch.setattr(store.fs, "ls", no_listing)
+    monkeypatch.setattr(store.fs, "glob", no_listing)
+    store.delete("a/dead.safetensors")
+    for ref in refs[:10]:
+        store.delete(ref.key)
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path / "store" / "a")) == sorted(f"s{i}.safetensors" for i in range(10, 20))
+
+
+def test_concurrent_writes_of_one_key_never_publish_a_torn_blob(tmp_path):
+    """Writers of the same key share its temp file under a lock: each rename publishes one whole write."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = FeatureStore((tmp_path / "store").as_uri())
+    payloads = [bytes([i]) * (1 << 20) for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda data: store.put_bytes("a/k.safetensors", data), payloads * 4))
+    assert store.get_bytes("a/k.safetensors") in payloads
+    assert sorted(p.name for p in (tmp_path / "store" / "a").iterdir()) == ["k.safetensors"]

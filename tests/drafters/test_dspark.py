@@ -63,7 +63,7 @@ def test_drafting_left_to_right_equals_the_teacher_forced_rows(debug_target, hea
         return forced[:, k], logits.softmax(-1)
 
     with torch.no_grad():
-        drafts, q, confidence = model.draft(hidden, anchors, pick)
+        drafts, q, confidence = model.draft(hidden, anchors, pick, greedy=False)
         prev = torch.cat([anchors[:, None], forced[:, :-1]], dim=1)
         logits, conf_logits = model.corrected(hidden, prev)
     assert torch.equal(drafts, forced)
@@ -100,7 +100,7 @@ def test_draft_vocabulary_sizes_the_head(debug_target):
     assert model.markov_head.markov_w1.weight.shape[0] == debug_target.vocab_size  # indexed by target ids
     assert model.markov_head.markov_w2.weight.shape[0] == 7
     drafts, q, _ = model.draft(torch.randn(2, 3, debug_target.hidden_size), torch.tensor([1, 2]),
-                               lambda logits, k: (logits.argmax(-1), logits.softmax(-1)))
+                               lambda logits, k: (logits.argmax(-1), logits.softmax(-1)), greedy=False)
     assert q.shape == (2, 3, 7) and (drafts % 10 == 0).all()
 
 
@@ -111,3 +111,24 @@ def test_section_builds_the_config(debug_target):
     assert (cfg.markov_rank, cfg.markov_head_type, cfg.block_size, cfg.target_layer_ids) == (8, "gated", 6, (1, 3, 5))
     with pytest.raises(ValueError, match="block_size"):
         dspark.DSparkSection(block_size=1)
+
+
+def test_each_request_reads_the_temperature_table_of_its_mode(debug_target):
+    """Row 0 of confidence_temperature is the greedy table, row 1 the sampling one; a batch mixing both
+    modes gets each row's own temperatures."""
+    model = _drafter(debug_target)
+    with torch.no_grad():
+        model.confidence_temperature.copy_(torch.tensor([[2.0] * 4, [0.5] * 4]))
+    hidden = torch.randn(2, 3, debug_target.hidden_size, generator=torch.Generator().manual_seed(5))
+    anchors = torch.tensor([4, 9])
+
+    def pick(logits, k):
+        return logits.argmax(-1), None
+
+    with torch.no_grad():
+        drafts, _, mixed = model.draft(hidden, anchors, pick, greedy=torch.tensor([True, False]))
+        _, conf_logits = model.corrected(hidden, torch.cat([anchors[:, None], drafts[:, :-1]], dim=1))
+        greedy = model.draft(hidden, anchors, pick, greedy=True)[2]
+    torch.testing.assert_close(mixed[0], torch.sigmoid(conf_logits[0] / 2.0), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(mixed[1], torch.sigmoid(conf_logits[1] / 0.5), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(greedy[1], torch.sigmoid(conf_logits[1] / 2.0), rtol=1e-5, atol=1e-6)

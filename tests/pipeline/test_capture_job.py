@@ -89,3 +89,54 @@ def test_bench_capture_writes_json_and_prints_table(tmp_path, capsys):
     assert result["ratio"] == pytest.approx(result["capture_tokens_per_s"] / result["forward_tokens_per_s"])
     assert result["command"].startswith("specray bench capture")
     assert "capture" in capsys.readouterr().out
+
+
+def test_ids_that_differ_only_in_unsafe_characters_are_both_captured_and_readable(tmp_path):
+    """``conv/1`` and ``conv_1`` sanitise to one readable name; their keys still differ, so neither blob
+    replaces the other."""
+    chats = tmp_path / "chats.jsonl"
+    rows = [("conv/1", "first answer"), ("conv_1", "another, longer answer"), ("conv 1", "third")]
+    chats.write_text("".join(json.dumps({"id": sid, "messages": [{"role": "user", "content": "q"},
+                                                                {"role": "assistant", "content": a}]}) + "\n"
+                             for sid, a in rows))
+    assert _capture(tmp_path, f"data.dataset=jsonl:{chats}", "data.max_samples=null") == 0
+    manifest = read_manifest(str(tmp_path / "job" / "manifest.parquet"))
+    assert sorted(r.sample_id for r in manifest.refs) == sorted(sid for sid, _ in rows)
+    assert len({r.key for r in manifest.refs}) == 3
+    store = FeatureStore(manifest.store_uri)
+    lengths = {r.sample_id: store.get(r)["input_ids"].numel() for r in manifest.refs}  # checksums hold: no overwrite
+    assert lengths["conv_1"] > lengths["conv/1"] > lengths["conv 1"]
+
+
+def test_a_repeated_id_stops_capture_before_anything_is_written(tmp_path, capsys):
+    chats = tmp_path / "chats.jsonl"
+    line = json.dumps({"id": "dup", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
+    chats.write_text(line + "\n" + line + "\n")
+    assert _capture(tmp_path, f"data.dataset=jsonl:{chats}") == 2
+    assert "repeats sample ids (1 ids: 'dup' at" in capsys.readouterr().err
+    assert not (tmp_path / "job" / "manifest.parquet").exists() and not (tmp_path / "job" / "features").exists()
+
+
+def test_chat_template_and_kwargs_are_recorded_and_the_trainer_renders_with_them(tmp_path):
+    """The manifest records the template capture rendered with; training on it loads the target with that
+    template (else the contract's template fingerprint would not match) and exports it in the provenance."""
+    from pathlib import Path
+
+    from specray.pipeline.config import TrainJobConfig, load_config
+    from specray.pipeline.jobs.train import build_trainer
+
+    template = Path(__file__).parents[1] / "capture" / "templates" / "qwen3.jinja"
+    assert _capture(tmp_path, f"data.chat_template={template}", "data.chat_template_kwargs.enable_thinking=false",
+                    "data.max_samples=4", "capture.algorithm=dflash") == 0
+    manifest = read_manifest(str(tmp_path / "job" / "manifest.parquet"))
+    recorded = manifest.chat_template
+    assert recorded.startswith("{%- set enable_thinking = false -%}") and recorded.endswith(template.read_text())
+    assert manifest.metadata["chat_template_kwargs"] == {"enable_thinking": False}
+    cfg = load_config(TrainJobConfig, "manifests/train-dflash-quickstart.yaml", [
+        "target.name=debug", f"data.manifest={tmp_path / 'job' / 'manifest.parquet'}", f"output.run_dir={tmp_path / 'run'}",
+        "optim.total_steps=1", "optim.warmup_steps=0", "trainer.checkpoint_every=1", "objective.num_anchors=2",
+        "live_eval.enabled=false",
+    ])
+    trainer = build_trainer(cfg)
+    assert trainer.extra["provenance"]["chat_template"] == recorded
+    assert trainer.extra["contract"]["template_fingerprint"] == manifest.contract.template_fingerprint

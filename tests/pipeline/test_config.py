@@ -125,3 +125,39 @@ def test_switching_algorithm_by_override_names_the_other_algorithms_fields():
                                           rf"dflash drafter section, not {other}'s: drop it, or give the whole section, "
                                           rf"e.g. train\.drafter=\{{algorithm: {other}\}}"):
         load_config(PipelineConfig, "manifests/quickstart.yaml", [f"train.drafter.algorithm={other}"])
+
+
+def test_the_pipelines_chat_format_reaches_its_serving_replicas():
+    """A drafter captured with data.chat_template(_kwargs) is refused by a replica rendering another template
+    (the template fingerprint differs): the pipeline's serve stage gets the same format."""
+    from specray.actors.serve import replica_spec
+    from specray.capture.chat import NAMED_TEMPLATES
+    from specray.pipeline.config import DataConfig, PipelineConfig, ServeJobConfig
+
+    cfg = PipelineConfig(data=DataConfig(chat_template="chatml", chat_template_kwargs={"enable_thinking": False}))
+    serve = cfg.serve_job()
+    assert (serve.chat_template, serve.chat_template_kwargs) == ("chatml", {"enable_thinking": False})
+    spec = replica_spec(serve, api_key=None)
+    assert spec.chat_template == NAMED_TEMPLATES["chatml"] and spec.chat_template_kwargs == {"enable_thinking": False}
+    assert replica_spec(ServeJobConfig(), api_key=None).chat_template is None
+    with pytest.raises(ValueError, match="chat_template='nope' is neither a named template"):
+        ServeJobConfig(chat_template="nope")
+
+
+def test_data_section_inputs_and_their_errors(tmp_path, monkeypatch):
+    from specray.pipeline.config import DataConfig
+
+    assert DataConfig(dataset="parquet:chats.parquet", id_field="uid").id_field == "uid"
+    assert DataConfig(dataset="hf:saved/train").dataset == "hf:saved/train"
+    for dataset, message in (("parquet:", "parquet: needs a location"), ("hf:", "hf: needs a location"),
+                             ("nope", "jsonl:PATH, parquet:PATH, hf:PATH or records:URI")):
+        with pytest.raises(ValueError, match=message):
+            DataConfig(dataset=dataset)
+    with pytest.raises(ValueError, match="id_field='uid' names a column of jsonl:, parquet: or hf: rows"):
+        DataConfig(dataset="sharegpt", id_field="uid")
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    monkeypatch.chdir(tmp_path)
+    assert DataConfig(chat_template="t.jinja").chat_template == str(template)  # absolute: jobs run elsewhere
+    with pytest.raises(ValueError, match=r"chat_template_kwargs.x: inf is not a finite number"):
+        DataConfig(chat_template_kwargs={"x": float("inf")})

@@ -60,8 +60,8 @@ def test_sampled_drafts_come_from_the_corrected_q_handed_to_verification(debug_t
     worker.catch_up([0, 1])
     seen = []
     original = drafter.draft
-    monkeypatch.setattr(drafter, "draft", lambda hidden, anchors, pick: seen.append((hidden, anchors))
-                        or original(hidden, anchors, pick))
+    monkeypatch.setattr(drafter, "draft", lambda hidden, anchors, pick, greedy: seen.append((hidden, anchors))
+                        or original(hidden, anchors, pick, greedy))
     params = [SamplingParams(temperature=0.7), SamplingParams()]
     B = drafter.config.block_size
     drafts, qs = worker.propose([0, 1], [5, 7], params, [torch.Generator().manual_seed(0), None], B)
@@ -125,3 +125,24 @@ def test_sampled_rounds_through_the_head_keep_the_targets_distribution(debug_tar
     chi2 = sum((counts.get(c, 0) - n * p) ** 2 / (n * p) for c, p in exact.items())
     assert chi2 < CHI2_8_P001, chi2
     assert sum(r >= 1 for r in accepted) > 0.05 * len(accepted)  # accepted drafts: the accept path ran
+
+
+def test_a_greedy_and_a_sampled_request_read_their_own_calibration_tables(debug_target):
+    """calibration.json holds a table per mode; a batch mixing modes calibrates each request's confidences
+    with its own (the same drafter row gives σ(z / T_greedy) to one, σ(z / T_sampling) to the other), and the
+    survival the chooser sizes budgets from is each request's own."""
+    drafter = _drafter(debug_target)
+    B = drafter.config.block_size
+    drafter.confidence_temperature.copy_(torch.tensor([[0.5] * B, [4.0] * B]))  # rows: greedy, sampling
+    worker = _worker(debug_target, drafter)
+    prompt = _encode(debug_target, "Hi")
+    worker.prefill([0, 1], [prompt, prompt])
+    worker.catch_up([0, 1])
+    params = [SamplingParams(), SamplingParams(temperature=1.0)]
+    _, _, confidence = worker.draft_block([0, 1], [5, 5], params, [None, torch.Generator().manual_seed(0)], B)
+    z = torch.logit(confidence[:, 0].double())  # row 0 reads only the anchor: the same raw logit for both
+    torch.testing.assert_close(z[0] * 0.5, z[1] * 4.0, rtol=1e-4, atol=1e-5)
+    assert confidence[0, 0] != confidence[1, 0]
+    worker.step([0, 1], [5, 5], params, [None, torch.Generator().manual_seed(1)], size=2)
+    published = worker.published_survival()  # [2, k]
+    assert published.shape == (2, B) and not torch.equal(published[0], published[1])

@@ -4,6 +4,7 @@ export on debug features, loading the export reads it, and a file of another blo
 export is refused with the file and the fix named."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -74,27 +75,115 @@ def test_calibrate_writes_the_file_serving_reads_and_refuses_a_mismatch(debug_ta
     assert main(["calibrate", out, "--manifest", str(manifest), "--target", "debug",
                  "--json", str(tmp_path / "cal.json")]) == 0
     printed = capsys.readouterr().out
-    assert "ECE before" in printed and "ECE after" in printed
+    for line in ("greedy (argmax of q = argmax of the target)", "sampling (c* = 1 - TV(p, q))", "ECE before",
+                 "ECE after", "temperature by pos"):
+        assert line in printed
     result = json.loads((tmp_path / "cal.json").read_text())
     B = drafter.config.block_size
-    assert len(result["temperatures"]) == B and result["blocks"] > 0
-    assert result["ece_after"] < 0.5 * result["ece_before"], result
+    assert result["blocks"] > 0 and set(result["modes"]) == set(dspark.CALIBRATION_MODES)
+    tables = [result["modes"][mode]["temperatures"] for mode in dspark.CALIBRATION_MODES]
+    for mode in dspark.CALIBRATION_MODES:
+        m = result["modes"][mode]
+        assert len(m["temperatures"]) == len(m["ece_by_pos_before"]) == len(m["ece_by_pos_after"]) == B
+        assert m["ece_after"] < 0.5 * m["ece_before"], (mode, m)
     path = Path(out) / dspark.CALIBRATION_FILE
     body = json.loads(path.read_text())
-    assert body["block_size"] == B and body["temperatures"] == result["temperatures"]
+    assert body["block_size"] == B and [body["modes"][m]["temperatures"] for m in dspark.CALIBRATION_MODES] == tables
     loaded = _load(debug_target, out)
-    assert loaded.confidence_temperature.tolist() == pytest.approx(result["temperatures"])
+    assert loaded.confidence_temperature.flatten().tolist() == pytest.approx(sum(tables, []))  # rows: greedy, sampling
     assert "confidence_temperature" not in loaded.state_dict()  # the weights and their sha256 are untouched
 
-    path.write_text(json.dumps(dict(body, block_size=B + 1, temperatures=[1.0] * (B + 1))))
+    wrong_size = {m: dict(body["modes"][m], temperatures=[1.0] * (B + 1)) for m in body["modes"]}
+    path.write_text(json.dumps(dict(body, block_size=B + 1, modes=wrong_size)))
     refused = rf"calibration.json was fitted for block_size {B + 1}.*specray calibrate"
     with pytest.raises(InvalidDrafterError, match=refused):
         _load(debug_target, out)
     path.write_text(json.dumps(dict(body, weights_sha256="sha256:other")))
     with pytest.raises(InvalidDrafterError, match="another export .weights_sha256"):
         _load(debug_target, out)
+    one_table = {k: v for k, v in body.items() if k != "modes"}  # one table for both modes: refused
+    path.write_text(json.dumps(dict(one_table, temperatures=tables[1])))
+    with pytest.raises(InvalidDrafterError, match=r"no temperature table per serving mode \['greedy', 'sampling'\]"):
+        _load(debug_target, out)
     assert main(["calibrate", out, "--manifest", str(manifest), "--target", "debug"]) == 0  # refits over it
-    assert _load(debug_target, out).confidence_temperature.tolist() == pytest.approx(result["temperatures"])
+    assert _load(debug_target, out).confidence_temperature.flatten().tolist() == pytest.approx(sum(tables, []))
     registry = DrafterRegistry((tmp_path / "registry").as_uri())  # a calibrated export publishes and pulls whole
     pulled = registry.pull(registry.publish(out), tmp_path / "pulled")
-    assert _load(debug_target, pulled).confidence_temperature.tolist() == pytest.approx(result["temperatures"])
+    assert _load(debug_target, pulled).confidence_temperature.flatten().tolist() == pytest.approx(sum(tables, []))
+
+
+def _peaked_manifest(target, root: Path, token: int, *, samples=6, T=40) -> str:
+    """Features whose target predicts ``token`` at every position with probability ~1 (its last hidden
+    state is the LM head's row of ``token``, scaled), written as a DSpark manifest."""
+    from specray.capture.store import FeatureStore, write_manifest
+
+    layer_ids = (1, 4, 5)
+    contract = build_contract("dspark", target_fingerprint=target.target_fingerprint,
+                              template_fingerprint=target.template_fingerprint, num_target_layers=target.num_layers,
+                              hidden_size=target.hidden_size, layer_ids=layer_ids, dtype="float32")
+    store = FeatureStore((root / "features").as_uri())
+    head = target.model.lm_head.weight.detach()
+    g = torch.Generator().manual_seed(7)
+    refs = []
+    for i in range(samples):
+        tensors = {"input_ids": torch.randint(3, target.vocab_size, (T,), generator=g, dtype=torch.int32),
+                   "loss_mask": torch.arange(T) >= 4,
+                   "hidden_states": torch.randn(T, len(layer_ids) * target.hidden_size, generator=g),
+                   "last_hidden_states": (50.0 * head[token]).expand(T, -1).contiguous()}
+        refs.append(store.put(f"s{i}.safetensors", tensors, sample_id=f"s{i}", num_tokens=T,
+                              contract=contract.contract_id))
+    return write_manifest(str(root / "manifest.parquet"), refs, contract=contract, store_uri=store.uri)
+
+
+def test_greedy_and_sampling_tables_differ_when_argmax_and_overlap_disagree(debug_target, tmp_path):
+    """A drafter whose q puts 0.4 on the target's argmax (and the rest elsewhere): every greedy draft
+    survives (argmax match 1), a sampled one only with the overlap c* ~ 0.4 per position. One table cannot
+    calibrate both: the fitted tables differ, and each is calibrated for its own event."""
+    from specray.pipeline.jobs.calibrate import calibrate_export
+
+    token = 100
+    manifest = _peaked_manifest(debug_target, tmp_path, token)
+    cfg = dspark.debug_config(debug_target, (1, 4, 5))
+    torch.manual_seed(0)
+    drafter = dspark.DSparkDrafter(cfg, embed_tokens=debug_target.model.model.embed_tokens,
+                                   lm_head=debug_target.model.lm_head)
+    V = debug_target.vocab_size
+    with torch.no_grad():  # q ~ 0.4 on `token` whatever the context: a constant bias from the sequence head
+        for p in drafter.parameters():
+            p.zero_()
+        for layer in drafter.layers:
+            layer.input_norm.weight.fill_(1.0)
+            layer.post_norm.weight.fill_(1.0)
+        drafter.markov_head.markov_w1.weight.fill_(1.0)
+        bias = torch.zeros(V)
+        bias[token] = math.log(0.4 * (V - 1) / 0.6)
+        drafter.markov_head.markov_w2.weight.copy_(bias[:, None] / cfg.markov_rank)
+        drafter.confidence_head.proj.bias.fill_(0.5)  # the same raw confidence everywhere: sigma(0.5) = 0.62
+    out = export(drafter, debug_target, tmp_path / "export")
+    result = calibrate_export(out, manifest, target_name="debug")
+    greedy, sampling = result["modes"]["greedy"], result["modes"]["sampling"]
+    assert greedy["observed_by_pos"] == pytest.approx([1.0] * cfg.block_size)
+    assert sampling["observed_by_pos"] == pytest.approx([0.4 ** (k + 1) for k in range(cfg.block_size)], rel=0.05)
+    # greedy survival is certain: its temperatures push sigma(0.5 / T) toward 1 (T at the searched minimum);
+    # sampling's make sigma(0.5 / T) ~ 0.4 < 1/2 impossible for T > 0 (z > 0), so they go toward 1/2 (large T)
+    assert max(greedy["temperatures"]) < 0.1 < 5.0 < min(sampling["temperatures"])
+    assert greedy["ece_after"] < 0.05 and greedy["ece_after"] < greedy["ece_before"]
+    assert sampling["ece_after"] < sampling["ece_before"]
+    # the sampling table read for greedy requests would be far off: the reason for one table per mode
+    assert survival_ece(*_rows_of(out, manifest, debug_target, "greedy"), sampling["temperatures"])[1] > 0.3
+
+
+def _rows_of(export_dir, manifest_uri, target, mode):
+    from specray.capture.store import open_store
+    from specray.drafters.format import load_drafter
+    from specray.trainer.loader import FeatureLoader
+    from specray.trainer.strategies.dspark import DSparkObjective, DSparkStrategy
+
+    manifest = read_manifest(manifest_uri)
+    model = _load(target, export_dir)
+    strategy = DSparkStrategy(DSparkObjective.model_validate(DSparkStrategy.evaluation))
+    rows = []
+    with FeatureLoader(manifest, open_store(manifest.store_uri), micro_batch_size=1, seed=0) as loader:
+        for i in range(len(manifest.refs)):
+            rows.append(strategy.confidence_rows(model, model.config, loader.next_batch(), strategy.generator(0, i)))
+    return (torch.cat([r[0] for r in rows]), torch.cat([r[1][mode] for r in rows]), torch.cat([r[2] for r in rows]))

@@ -37,8 +37,8 @@ def test_the_teacher_reads_the_labels_predecessor(debug_target):
     anchors = torch.tensor([[2, 7]])
     labels, _, supervised = dspark_labels(ids, torch.ones(1, T, dtype=torch.bool), anchors, 4)
     predecessors = anchors[..., None] + torch.arange(4)
-    p = objective.teacher(model, last, predecessors, supervised)
-    assert supervised.all() and torch.equal(p.argmax(-1), labels)
+    p, top = objective.teacher(model, last, predecessors, supervised)
+    assert supervised.all() and torch.equal(p.argmax(-1), labels) and torch.equal(top, labels)
     assert p[supervised].max(-1).values.min() > 0.9
 
 
@@ -124,3 +124,27 @@ def test_summary_reports_calibration_per_position():
     assert summary["ece_by_pos"] == pytest.approx([0.35, 0.0])
     assert summary["overlap_by_pos"] == pytest.approx([0.5, 0.25])
     assert summary["acc_by_pos"] == pytest.approx([1.0, 0.5]) and summary["tau_tf"] == pytest.approx(2.5)
+
+
+def test_a_ce_only_objective_computes_no_teacher_and_needs_no_last_hidden_states(debug_target, monkeypatch):
+    """With l1_weight = confidence_weight = 0 nothing reads the teacher: it is not computed, features without
+    last_hidden_states train, and the loss is the CE term of the full objective."""
+    calls = []
+    original = objective.teacher
+    monkeypatch.setattr(objective, "teacher", lambda *args: calls.append(args) or original(*args))
+    batch, model = _batch(debug_target), _model(debug_target)
+    ce_only = DSparkStrategy(DSparkObjective(num_anchors=4, l1_weight=0.0, confidence_weight=0.0))
+    loss, sums = ce_only.forward_loss(model, model.config, replace(batch, last_hidden_states=None),
+                                      ce_only.generator(0, 0))
+    assert not calls and torch.isfinite(loss) and "overlap" not in sums and "cal_target" not in sums
+    summary = DSparkStrategy.summarize(sums)
+    assert "ece" not in summary and summary["acc_by_pos"] and summary["tau_tf"] >= 1
+    with_teacher = DSparkStrategy(DSparkObjective(num_anchors=4, l1_weight=0.0, confidence_weight=1e-9))
+    full, _ = with_teacher.forward_loss(model, model.config, batch, with_teacher.generator(0, 0))
+    assert len(calls) == 1
+    torch.testing.assert_close(loss, full, rtol=1e-6, atol=1e-6)  # the same CE (its weight is nearly all)
+    loss.backward()  # every parameter in the graph (DDP reduces them all), the confidence head's gradient zero
+    assert torch.equal(model.confidence_head.proj.weight.grad, torch.zeros_like(model.confidence_head.proj.weight))
+    with pytest.raises(ValueError, match="L1 and confidence terms read the target's last_hidden_states"):
+        with_teacher.forward_loss(model, model.config, replace(batch, last_hidden_states=None),
+                                  with_teacher.generator(0, 0))

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from specray.capture.store import FeatureStore, SampleRef, TensorMeta
+from specray.capture.store import FeatureStore, SampleRef, TensorMeta, temp_name
 from specray.trainer.ledger import Ledger, LedgerError, audit, recovery_plan
 
 
@@ -288,7 +288,7 @@ def test_audit_looks_for_leftovers_among_the_streams_keys_only(tmp_path):
     store.put_bytes("features/zz.safetensors", b"another dataset's sample, same directory")
     assert audit(ledger, source_ids="abcdef", store=store).ok
 
-    temp = f"features/a.safetensors.tmp-{'0' * 32}"  # a write of one of ours that died before its rename
+    temp = temp_name(_ref("a").key)  # a write of one of ours that died before its rename
     (tmp_path / "store" / temp).write_bytes(b"partial")
     store.put_bytes("features/q.safetensors", b"captured by the producer, never dispatched")
     report = audit(ledger, source_ids="abcdef", store=store, keys=[_ref(i).key for i in "abcdefghq"])

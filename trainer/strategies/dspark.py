@@ -21,7 +21,9 @@ Per sequence of a TrainBatch (anchors drawn as DFlash draws them, ``strategies/d
        L      = (α L_CE + β L_L1 + λ L_conf) / (α + β + λ)    defaults α, β, λ = 0.1, 0.9, 1.0
 
    The target is detached so the confidence loss cannot move its own label; the L1 term still
-   trains the drafter's q.
+   trains the drafter's q. The teacher is computed only when a term reads it (``l1_weight`` or
+   ``confidence_weight`` > 0): a CE-only run needs no ``last_hidden_states`` and computes no
+   full-vocabulary head, and its metrics leave out what the teacher gives (overlap, calibration).
 
 Metric sums (they add over micro-batches, steps and ranks): per position the supervised count,
 the top-1 correct count (of the corrected logits), CE over the labels inside the draft vocabulary,
@@ -31,23 +33,32 @@ position; plus the teacher-forced accepted length (``tau_tf − 1``).
 
 **Sequential Temperature Scaling** (seed §5.4; ``specray calibrate``, ``pipeline/jobs/calibrate.py``).
 The scheduler reads the predicted survival ``A_k = ∏_{i<=k} σ(z_i / T_i)`` as an absolute number, so
-slight over-confidence compounds along the block. On held-out blocks (``confidence_rows``: the
-confidence logits ``z`` and the teacher-forced overlaps ``c*``) the observed survival is
-``S_k = ∏_{i<=k} c*_i``, and ``fit_sts`` picks ``T_1``, then ``T_2`` with ``T_1`` fixed, and so on, each
-minimising the cross-entropy between ``A_k`` and ``S_k`` over the blocks supervised at ``k``
-(a search over log T). ``survival_ece`` is the calibration error of ``A_k`` against ``S_k`` per position.
+slight over-confidence compounds along the block. What survives depends on the serving mode, so
+each mode has its own table (``CALIBRATION_MODES``), fitted on the same held-out blocks
+(``confidence_rows``: the confidence logits ``z`` and one survival target per mode):
+
+- ``sampling``: a draft drawn from q survives rejection sampling with probability ``c*_k = 1 − TV``
+  (the overlap above);
+- ``greedy``: a draft is the corrected q's argmax and survives iff it is the target's argmax,
+  ``m_k = 1[argmax q_k = argmax p_k]`` (over the target's whole vocabulary).
+
+The observed survival is ``S_k = ∏_{i<=k} t_i`` of the mode's target ``t``, and ``fit_sts`` picks
+``T_1``, then ``T_2`` with ``T_1`` fixed, and so on, each minimising the cross-entropy between ``A_k``
+and ``S_k`` over the blocks supervised at ``k`` (a search over log T). ``survival_ece`` is the
+calibration error of ``A_k`` against ``S_k`` per position.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
-from specray.drafters.dspark import DSparkConfig, DSparkDrafter
+from specray.drafters.dspark import CALIBRATION_MODES, DSparkConfig, DSparkDrafter
 from specray.trainer.loader import TrainBatch
 from specray.trainer.strategies.dflash import DFlashStrategy, block_labels, position_weights, sample_anchors
 
@@ -83,24 +94,26 @@ def dspark_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: tor
 
 @torch.no_grad()
 def teacher(drafter: DSparkDrafter, last_hidden: torch.Tensor, positions: torch.Tensor,
-            rows: torch.Tensor) -> torch.Tensor:
+            rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's probabilities p [Bt, N, B, V_d] (float32, 0 where not ``rows``) of the token after
     each of ``positions`` [Bt, N, B]: its LM head on last_hidden [Bt, T, D] there, softmax over the
-    whole vocabulary, read on the draft vocabulary's rows."""
+    whole vocabulary, read on the draft vocabulary's rows; and its argmax over the whole vocabulary
+    [Bt, N, B] (target ids, −1 where not ``rows``): the token greedy verification accepts."""
     weight, bias = drafter.head()  # [V_d, D]
     p = torch.zeros(*positions.shape, weight.shape[0], device=last_hidden.device)
+    top = torch.full(positions.shape, -1, dtype=torch.long, device=last_hidden.device)
     batch_index = torch.arange(positions.shape[0], device=positions.device)[:, None, None].expand_as(positions)
     with torch.autocast(last_hidden.device.type, enabled=False):
         y = last_hidden[batch_index[rows], positions[rows]].float()  # [R, D]
         logits = F.linear(y, weight.float(), None if bias is None else bias.float())  # [R, V_d]
         if drafter.draft_vocab is None:
-            norm = logits.logsumexp(-1)
+            norm, top[rows] = logits.logsumexp(-1), logits.argmax(-1)
         else:
             full_bias = drafter.lm_head.bias
-            norm = F.linear(y, drafter.lm_head.weight.float(),
-                            None if full_bias is None else full_bias.float()).logsumexp(-1)  # [R]
+            full = F.linear(y, drafter.lm_head.weight.float(), None if full_bias is None else full_bias.float())
+            norm, top[rows] = full.logsumexp(-1), full.argmax(-1)  # [R]
         p[rows] = (logits - norm[:, None]).exp()
-    return p
+    return p, top
 
 
 def overlap_l1(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -115,6 +128,21 @@ def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (values * weights).sum() / denom if denom > 0 else values.sum() * 0.0
 
 
+class Heads(NamedTuple):
+    """The teacher-forced forward of one micro-batch, each [Bt, N, B] or [Bt, N, B, V_d]; the teacher's
+    parts are None when no loss term reads it (a CE-only objective)."""
+
+    drafter: DSparkDrafter
+    labels: torch.Tensor  # target ids at anchor + k + 1
+    supervised: torch.Tensor  # bool
+    logits: torch.Tensor  # corrected logits [.., V_d]
+    log_q: torch.Tensor  # [.., V_d] float32
+    conf_logits: torch.Tensor
+    c_star: torch.Tensor | None  # 1 − ½‖p − q‖₁, detached
+    l1: torch.Tensor | None  # ‖p − q‖₁
+    match: torch.Tensor | None  # float 1 where q's argmax is the target's argmax
+
+
 class DSparkStrategy(DFlashStrategy):
     """Builds the DSpark drafter and computes its loss and metrics on a TrainBatch."""
 
@@ -127,56 +155,80 @@ class DSparkStrategy(DFlashStrategy):
         super().__init__(objective, seed=seed)
         self.weights = (objective.ce_weight, objective.l1_weight, objective.confidence_weight)
         self.bins = objective.calibration_bins
+        self.uses_teacher = objective.l1_weight > 0 or objective.confidence_weight > 0
 
     def forward_loss(self, model: nn.Module, config: DSparkConfig, batch: TrainBatch, generator: torch.Generator):
         """(loss, metric sums) for one micro-batch; ``model`` may be DDP-wrapped."""
-        drafter, labels, supervised, logits, log_q, conf_logits, c_star, l1 = self._heads(model, config, batch,
-                                                                                           generator)
+        h = self._heads(model, config, batch, generator, teacher_needed=self.uses_teacher)
         B = config.block_size
-        draft_labels = drafter.target_to_draft(labels)  # = labels without a draft vocabulary
-        covered = supervised & (draft_labels >= 0)
-        w = position_weights(B + 1, self.gamma).to(logits.device) * supervised  # [Bt, N, B]
-        ce = -log_q.gather(-1, draft_labels.clamp(min=0)[..., None]).squeeze(-1)
-        bce = F.binary_cross_entropy_with_logits(conf_logits.float(), c_star, reduction="none")
-        terms = (weighted_mean(ce, w * covered), weighted_mean(l1, w), weighted_mean(bce, w))
+        draft_labels = h.drafter.target_to_draft(h.labels)  # = labels without a draft vocabulary
+        covered = h.supervised & (draft_labels >= 0)
+        w = position_weights(B + 1, self.gamma).to(h.logits.device) * h.supervised  # [Bt, N, B]
+        ce = -h.log_q.gather(-1, draft_labels.clamp(min=0)[..., None]).squeeze(-1)
+        terms = [weighted_mean(ce, w * covered)]
+        if self.uses_teacher:
+            bce = F.binary_cross_entropy_with_logits(h.conf_logits.float(), h.c_star, reduction="none")
+            terms += [weighted_mean(h.l1, w), weighted_mean(bce, w)]
         loss = sum(a * t for a, t in zip(self.weights, terms)) / sum(self.weights)
+        if not self.uses_teacher:  # the confidence head stays in the graph (a zero gradient): DDP reduces every parameter
+            loss = loss + 0.0 * h.conf_logits.sum()
         with torch.no_grad():
-            correct = (drafter.draft_to_target(logits.argmax(-1)) == labels) & supervised
-            metrics = self._sums(correct, supervised, covered, ce, c_star, torch.sigmoid(conf_logits.float()))
+            correct = (h.drafter.draft_to_target(h.logits.argmax(-1)) == h.labels) & h.supervised
+            metrics = self._sums(correct, h.supervised, covered, ce, h.c_star, torch.sigmoid(h.conf_logits.float()))
         return loss, metrics
 
     @torch.no_grad()
     def confidence_rows(self, model: nn.Module, config: DSparkConfig, batch: TrainBatch,
-                        generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        generator: torch.Generator) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
         """What Sequential Temperature Scaling fits on: per block, the confidence logits [n, B], the
-        overlap targets c* [n, B] and supervision [n, B] (a prefix of each block), blocks that
-        supervise their first row only."""
-        _, _, supervised, _, _, conf_logits, c_star, _ = self._heads(model, config, batch, generator)
-        keep = supervised[..., 0]  # [Bt, N]
-        return conf_logits.float()[keep], c_star[keep], supervised[keep]
+        survival target of each of ``CALIBRATION_MODES`` ({mode: [n, B]}: the argmax match for greedy,
+        c* for sampling) and supervision [n, B] (a prefix of each block), blocks that supervise their
+        first row only."""
+        h = self._heads(model, config, batch, generator, teacher_needed=True)
+        keep = h.supervised[..., 0]  # [Bt, N]
+        targets = {"greedy": h.match[keep], "sampling": h.c_star[keep]}
+        assert tuple(targets) == CALIBRATION_MODES
+        return h.conf_logits.float()[keep], targets, h.supervised[keep]
 
-    def _heads(self, model, config: DSparkConfig, batch: TrainBatch, generator: torch.Generator):
-        """The teacher-forced forward of one micro-batch: (drafter, labels, supervision, corrected logits,
-        log q, confidence logits, c* (detached), ‖p − q‖₁), each [Bt, N, B] or [Bt, N, B, V_d]."""
-        if batch.last_hidden_states is None:
-            raise ValueError("DSpark trains on the target's last_hidden_states: capture the features with "
-                             "capture.algorithm=dspark")
+    def _heads(self, model, config: DSparkConfig, batch: TrainBatch, generator: torch.Generator, *,
+               teacher_needed: bool) -> Heads:
+        """The teacher-forced forward of one micro-batch (``Heads``); the teacher only when ``teacher_needed``."""
+        if teacher_needed and batch.last_hidden_states is None:
+            raise ValueError("DSpark's L1 and confidence terms read the target's last_hidden_states: capture the "
+                             "features with capture.algorithm=dspark (or train with objective.l1_weight=0 and "
+                             "objective.confidence_weight=0, the CE term alone)")
         B = config.block_size
         drafter = getattr(model, "module", model)  # unwrap DDP
         anchors = sample_anchors(batch.loss_mask, self.num_anchors, generator, batch.anchor_mask)  # [Bt, N]
         labels, prev_ids, supervised = dspark_labels(batch.input_ids, batch.loss_mask, anchors, B)  # [Bt, N, B]
         predecessors = anchors.clamp(min=0)[..., None] + torch.arange(B, device=anchors.device)  # [Bt, N, B]
-        p = teacher(drafter, batch.last_hidden_states, predecessors, supervised)  # [Bt, N, B, V_d]
+        if teacher_needed:
+            p, top = teacher(drafter, batch.last_hidden_states, predecessors, supervised)  # [Bt, N, B, V_d], [Bt, N, B]
         logits, conf_logits = model(batch.hidden_states, batch.attention_mask, prev_ids[..., 0], anchors, prev_ids)
         log_q = F.log_softmax(logits.float(), dim=-1)  # [Bt, N, B, V_d]
+        if not teacher_needed:
+            return Heads(drafter, labels, supervised, logits, log_q, conf_logits, None, None, None)
         l1 = overlap_l1(p, log_q.exp())
         c_star = (1.0 - 0.5 * l1).clamp(0.0, 1.0).detach()
-        return drafter, labels, supervised, logits, log_q, conf_logits, c_star, l1
+        match = (drafter.draft_to_target(logits.detach().argmax(-1)) == top).float()
+        return Heads(drafter, labels, supervised, logits, log_q, conf_logits, c_star, l1, match)
 
     def _sums(self, correct, supervised, covered, ce, c_star, confidence) -> dict[str, torch.Tensor]:
-        """Per-position metric sums of [Bt, N, B] rows (module docstring)."""
+        """Per-position metric sums of [Bt, N, B] rows (module docstring); without a teacher (``c_star``
+        None) no overlap and no calibration histogram."""
         accepted = torch.cumprod(correct.long(), dim=-1).sum(-1)  # leading correct rows per block
         has_first = supervised[..., 0]
+        sums = {
+            "count": supervised.sum((0, 1)).double(),  # [B]
+            "correct": correct.sum((0, 1)).double(),  # [B]
+            "ce": (ce.detach() * covered).sum((0, 1)).double(),  # [B]
+            "covered": covered.sum((0, 1)).double(),  # [B] labels inside the draft vocabulary
+            "confidence": (confidence * supervised).sum((0, 1)).double(),  # [B]
+            "blocks": has_first.sum().double().reshape(1),
+            "accepted": (accepted * has_first).sum().double().reshape(1),
+        }
+        if c_star is None:
+            return sums
         B = supervised.shape[-1]
         bins = (confidence * self.bins).long().clamp(max=self.bins - 1)  # [Bt, N, B]
         flat = (torch.arange(B, device=bins.device) * self.bins + bins)[supervised]  # position-major bin index
@@ -184,36 +236,28 @@ class DSparkStrategy(DFlashStrategy):
             0, flat, values[supervised].double()).view(B, self.bins)
             for name, values in (("cal_count", torch.ones_like(confidence)), ("cal_conf", confidence),
                                  ("cal_target", c_star))}
-        return {
-            "count": supervised.sum((0, 1)).double(),  # [B]
-            "correct": correct.sum((0, 1)).double(),  # [B]
-            "ce": (ce.detach() * covered).sum((0, 1)).double(),  # [B]
-            "covered": covered.sum((0, 1)).double(),  # [B] labels inside the draft vocabulary
-            "overlap": (c_star * supervised).sum((0, 1)).double(),  # [B]
-            "confidence": (confidence * supervised).sum((0, 1)).double(),  # [B]
-            **histogram,  # [B, bins] each
-            "blocks": has_first.sum().double().reshape(1),
-            "accepted": (accepted * has_first).sum().double().reshape(1),
-        }
+        return {**sums, "overlap": (c_star * supervised).sum((0, 1)).double(), **histogram}  # [B], [B, bins] each
 
     @staticmethod
     def summarize(sums: dict[str, torch.Tensor]) -> dict:
-        """Accumulated sums -> per-position accuracy, CE, overlap, confidence and calibration error, tau_tf."""
+        """Accumulated sums -> per-position accuracy, CE, confidence, tau_tf, and (with a teacher) overlap
+        and calibration error."""
         count = sums["count"].clamp(min=1)
         blocks = sums["blocks"].clamp(min=1)
-        gap = (sums["cal_conf"] - sums["cal_target"]).abs().sum(-1)  # [B]
-        return {
+        summary = {
             "acc_by_pos": (sums["correct"] / count).tolist(),
             "ce_by_pos": (sums["ce"] / sums["covered"].clamp(min=1)).tolist(),
-            "overlap_by_pos": (sums["overlap"] / count).tolist(),
             "confidence_by_pos": (sums["confidence"] / count).tolist(),
-            "ece_by_pos": (gap / count).tolist(),
-            "ece": float(gap.sum() / count.sum()),
             "coverage": float(sums["covered"].sum() / count.sum()),
             "acc": float(sums["correct"].sum() / count.sum()),
             "tau_tf": float(1 + sums["accepted"].sum() / blocks.sum()),
             "blocks": int(sums["blocks"].sum()),
         }
+        if "overlap" in sums:
+            gap = (sums["cal_conf"] - sums["cal_target"]).abs().sum(-1)  # [B]
+            summary.update({"overlap_by_pos": (sums["overlap"] / count).tolist(),
+                            "ece_by_pos": (gap / count).tolist(), "ece": float(gap.sum() / count.sum())})
+        return summary
 
 
 STS_LOG_T = torch.linspace(math.log(0.05), math.log(20.0), 401, dtype=torch.float64)  # temperatures searched
