@@ -192,7 +192,8 @@ class DSparkDrafter(DFlashDrafter):
         """Read ``calibration.json`` of the export this drafter was loaded from, if there is one."""
         path = Path(export_dir) / CALIBRATION_FILE
         if path.is_file():
-            self.confidence_temperature.copy_(torch.tensor(read_calibration(export_dir, self.config.block_size)))
+            temperatures = read_calibration(export_dir, self.config.block_size)
+            self.confidence_temperature.copy_(torch.tensor(temperatures, device=self.confidence_temperature.device))
 
     def confidence_logits(self, hidden: torch.Tensor, prev_emb: torch.Tensor) -> torch.Tensor:
         """hidden [..., D], prev_emb [..., r] -> confidence logits [...]."""
