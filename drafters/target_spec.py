@@ -92,8 +92,8 @@ def _check_layer_types(config) -> None:
     if layer_types and any(t != "full_attention" for t in layer_types):
         other = sorted({t for t in layer_types if t != "full_attention"})
         sliding = getattr(config, "use_sliding_window", None)
-        hint = f" (use_sliding_window={sliding})" if sliding is not None else ""
-        raise _fail("layer_types", other, f"{hint}: specray computes full-attention layers only")
+        hint = f"(use_sliding_window={sliding}) " if sliding is not None else ""
+        raise _fail("layer_types", other, f"{hint}is not computed by specray's runner (full-attention layers only)")
 
 
 def _check_foreign(config) -> None:

@@ -109,6 +109,57 @@ def test_runner_logits_equal_transformers_up_to_4k_positions(family_targets, fam
     assert (logits - reference).abs().max() <= TOLERANCE
 
 
+ROPE_VARIANTS = {  # Llama targets of every RoPE type the runner computes (max_position_embeddings 1024)
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    "yarn-mscale": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 128,
+                    "mscale": 2.0, "mscale_all_dim": 1.0, "beta_fast": 16.0},
+    "yarn-attention-factor": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "attention_factor": 0.8,
+                              "original_max_position_embeddings": 512},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(ROPE_VARIANTS))
+def test_runner_logits_equal_transformers_for_every_rope_type(variant, tmp_path):
+    """Every RoPE type at positions up to max_position_embeddings (dynamic NTK's whole exact range),
+    attention scaling that multiplies cos and sin included."""
+    from transformers import LlamaConfig
+
+    from specray.capture.target import build_debug_tokenizer
+
+    config = LlamaConfig(vocab_size=len(build_debug_tokenizer()), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         rope_parameters=dict(ROPE_VARIANTS[variant]))
+    target = load_target(str(build_family(variant, tmp_path / variant, config=config)))
+    ids = torch.randint(3, target.vocab_size, (1024,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        reference = target.model(input_ids=ids[None]).logits[0]
+    for native in ([True, False] if decode_cpu.available() else [False]):
+        runner = LlamaRunner(target.model, num_slots=1, max_len=1024, native=native)
+        first = runner.forward(ids[None, :1000], torch.tensor([0]), torch.tensor([1000])).logits[0]
+        runner.cache.commit(0, 1000)
+        rest = runner.forward(ids[None, 1000:], torch.tensor([0]), torch.tensor([24])).logits[0]
+        assert (torch.cat([first, rest]) - reference).abs().max() <= TOLERANCE, native
+    if variant == "dynamic":  # past max_position_embeddings transformers recomputes the frequencies: refused
+        with pytest.raises(ValueError, match=r"rope_type='dynamic'.*max_position_embeddings=1024"):
+            LlamaRunner(target.model, num_slots=1, max_len=1025)
+
+
+def test_runner_refuses_a_sliding_window_shorter_than_max_len(tmp_path):
+    from transformers import MistralConfig
+
+    from specray.capture.target import build_debug_tokenizer
+
+    config = MistralConfig(vocab_size=len(build_debug_tokenizer()), hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, sliding_window=256)
+    target = load_target(str(build_family("mistral-window", tmp_path / "m", config=config)))
+    with pytest.raises(ValueError, match=r"sliding_window=256.*max_len 1024"):
+        Engine(target, max_batch=1, max_len=1024)
+    engine = Engine(target, max_batch=1, max_len=256)  # no sequence reaches past the window: exact
+    ids = encode_prompt(target.tokenizer, "Hi")
+    assert engine.generate([ids], SamplingParams(max_tokens=8))[0].token_ids == hf_greedy(target, ids, 8)
+
+
 def _check_greedy(engine, greedy: dict) -> list[int]:
     outputs = engine.generate(FAMILY_PROMPTS, SamplingParams(max_tokens=MAX_NEW))
     for prompt, out in zip(FAMILY_PROMPTS, outputs):
