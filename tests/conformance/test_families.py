@@ -4,7 +4,8 @@ Mistral, a tied-embedding Llama with biases and YaRN), each saved with ``save_pr
 loaded through ``load_target`` like any local target. For each family:
 
 - the runner's logits equal transformers' within 1e-4 at positions up to 4k (fp32; chunked
-  forwards over the cache, decode steps and a verify), on both runner paths;
+  forwards over the cache, decode steps and a verify), on both runner paths (and on CUDA where
+  there is one), and for every RoPE type on a Llama;
 - every worker's greedy output (AR, each registered algorithm's chain worker with random and
   one-token debug drafters, the EAGLE-3 tree worker) equals transformers' greedy ``generate``,
   on prompts that include one of ~600 tokens;
@@ -107,6 +108,22 @@ def test_runner_logits_equal_transformers_up_to_4k_positions(family_targets, fam
     logits = torch.cat(rows)
     assert logits.shape == reference.shape and reference.std() > 0.5
     assert (logits - reference).abs().max() <= TOLERANCE
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_runner_logits_equal_transformers_on_cuda(family_targets, family):
+    """The runner's plain-torch path on CUDA (the fused kernels are CPU-only), each family's biases,
+    norms and RoPE, at positions up to 4k."""
+    target = load_target(str(family_targets(family).path), device="cuda")
+    ids = torch.randint(3, target.vocab_size, (LONG,), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        reference = target.model(input_ids=ids[None].cuda()).logits[0]
+    runner = LlamaRunner(target.model, num_slots=1, max_len=LONG)
+    assert not runner.native and runner.cache.k.is_cuda
+    first = runner.forward(ids[None, : LONG - 4], torch.tensor([0]), torch.tensor([LONG - 4])).logits[0]
+    runner.cache.commit(0, LONG - 4)
+    rest = runner.forward(ids[None, LONG - 4 :], torch.tensor([0]), torch.tensor([4])).logits[0]
+    torch.testing.assert_close(torch.cat([first, rest]), reference, atol=1e-4, rtol=1e-4)
 
 
 ROPE_VARIANTS = {  # Llama targets of every RoPE type the runner computes (max_position_embeddings 1024)
