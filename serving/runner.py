@@ -1,4 +1,12 @@
-"""Target runner: our own Llama-family forward over a ``SlotKVCache``.
+"""Target runner: our own forward of the target over a ``SlotKVCache``.
+
+It computes the families ``drafters/target_spec.py::check_supported`` accepts — Llama (Llama 2 /
+3.x RoPE scaling, ``attention_bias``, ``mlp_bias``), Qwen2 (q/k/v biases), Qwen3 (per-head q/k
+RMSNorm before RoPE), Mistral (while no sequence reaches past its sliding window) — with tied
+or untied embeddings and any ``head_dim``, and refuses every other config at construction with
+the field named. RoPE is transformers' own (``drafters/rope.py``: its inverse-frequency
+function for the config's ``rope_type``, attention scaling included). On CPU in fp32 the fused
+kernels below run; on CUDA (or in bf16) plain torch ops on the model's device.
 
 Why not ``model(...)`` with transformers' cache: at batch 1 on CPU a decode step is a chain of
 small matrix products over 531 MB of fp32 weights plus a few hundred small ops, and
@@ -42,7 +50,8 @@ rows and the decoder-layer outputs of ``capture_layer_ids`` (the drafter's conte
 same capture point as ``capture/contract.py``), written side by side into one tensor as the
 layers run (``RunnerOutput.features``: a drafter alone on the runner reads it as is, with no
 copy on a plain step's path). All in the target's dtype (fp32 by default),
-equal to transformers up to float rounding (``tests/serving/test_runner.py``).
+equal to transformers up to float rounding (``tests/serving/test_runner.py``; every family at
+positions up to 4k: ``tests/conformance/test_families.py``).
 """
 
 from __future__ import annotations
