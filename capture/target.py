@@ -8,7 +8,9 @@ Target names:
 - ``debug`` / ``debug:<seed>``: a tiny random Llama (8 layers, hidden 64) with a byte-level
   tokenizer and a ChatML template, built in about a second and cached the same way; it goes
   through exactly the same loading code as real targets (unit tests use it).
-- any local directory holding an HF causal LM (``config.json`` + safetensors + tokenizer).
+- any local directory holding an HF causal LM (``config.json`` + safetensors + tokenizer) of a
+  family specray computes (``drafters/target_spec.py``: Llama, Qwen2, Qwen3, Mistral); any other
+  config is refused at load with the field and value named.
 
 Two fingerprints identify what features were computed from (DESIGN.md §3):
 
@@ -44,7 +46,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from specray.drafters.target_spec import check_supported
 
 from specray.capture.chat import with_template_kwargs
 
@@ -119,6 +123,7 @@ def load_target(name: str = DEFAULT_TARGET, *, dtype: str = "float32", device: s
     if dtype not in DTYPES:
         raise ValueError(f"target.dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
     path = resolve_target_dir(name)
+    check_supported(AutoConfig.from_pretrained(path))  # refuse what specray would compute wrongly, before the weights load
     tokenizer = AutoTokenizer.from_pretrained(path)
     target_fp, template_fp = fingerprints(path, tokenizer)  # cached per directory: the tokenizer's own template
     template = apply_chat_format(tokenizer, chat_template, chat_template_kwargs, name)
@@ -222,10 +227,13 @@ def _byte_to_unicode() -> dict[int, str]:
 _BYTE_TO_UNICODE = _byte_to_unicode()
 
 
-def _build_debug(out: Path, seed: int) -> None:
-    """A tiny random Llama with a byte-level tokenizer: no downloads, about a second."""
+def build_debug_tokenizer():
+    """The debug targets' tokenizer: byte-level BPE over the 256 bytes (ids in byte order, after
+    the specials ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``) with the ChatML template;
+    259 tokens, the same on every machine, no downloads. Tests build tiny random models of other
+    families around it."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     vocab = {tok: i for i, tok in enumerate(specials)}
@@ -240,8 +248,16 @@ def _build_debug(out: Path, seed: int) -> None:
         pad_token="<|im_end|>", unk_token="<|endoftext|>",
     )
     tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def _build_debug(out: Path, seed: int) -> None:
+    """A tiny random Llama with a byte-level tokenizer: no downloads, about a second."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_debug_tokenizer()
     config = LlamaConfig(
-        vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=8,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
     )

@@ -6,9 +6,9 @@ the draft vocabulary, and the base of the manifest's ``drafter`` section.
 - ``FrozenLinear``: the serving runner's product for a frozen target weight (oneDNN on a
   prepacked copy; for a few fp32 rows our own product on the weight as stored or ``F.linear``,
   where ``pick_kernels`` measured it faster on this machine).
-- ``RMSNorm``, ``apply_rope`` (Llama's rotate-half layout, angles computed per position) and
-  ``rope_table`` / ``apply_rope_table`` (the same rotation from a precomputed, sign-folded table,
-  the serving runner's form).
+- ``RMSNorm``; RoPE lives in ``drafters/rope.py`` (transformers' inverse frequencies for every
+  RoPE type; ``apply_rope`` with angles per position, ``rope_table`` / ``apply_rope_table`` from a
+  precomputed, sign-folded table, the serving runner's form), re-exported here.
 - **Draft vocabulary** (EAGLE-3's ``d2t`` / ``t2d``): a drafter may predict over ``V_d`` target
   tokens only, the ascending ids of its ``draft_vocab`` buffer. ``DraftVocabHead`` gives a drafter
   the buffer, the frozen target LM head restricted to those rows (``logits``) and the mappings
@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
+from specray.drafters.rope import RopeSpec, apply_rope, apply_rope_table, rope_frequencies, rope_table  # noqa: F401
+from specray.drafters.target_spec import check_supported
 from specray.kernels import decode_cpu
 
 SMALL_M = 64  # inference products with at most this many rows take the (W @ xᵀ)ᵀ layout
@@ -70,7 +72,8 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 class FrozenLinear:
-    """``x @ weightᵀ (+ residual)`` for a frozen [out, in] weight at inference: x [M, in] -> [M, out].
+    """``x @ weightᵀ (+ bias) (+ residual)`` for a frozen [out, in] weight (and optional [out] bias)
+    at inference: x [M, in] -> [M, out].
 
     The serving runner's product (``serving/runner.py``), with a kernel per row count M:
 
@@ -97,8 +100,9 @@ class FrozenLinear:
 
     PACK_ROWS = 16  # the row count oneDNN lays the packed weight out for (it serves any M)
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight = weight.detach()  # [out, in]
+        self.bias = None if bias is None else bias.detach().contiguous()  # [out], added by every kernel
         self.packed = _prepack(self.weight, self.PACK_ROWS)
         # (rows, kernel) ascending: M takes the kernel of the first entry with rows >= M; past the last, packed
         self.kernels: list[tuple[int, str]] = [(2, "blas")] if self.weight.dtype == torch.float32 else []
@@ -109,12 +113,13 @@ class FrozenLinear:
         return next((kernel for upto, kernel in self.kernels if rows <= upto), "packed")
 
     def product(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
-        """``x @ weightᵀ`` [M, out] with ``kernel`` ("packed", "native" or "blas")."""
+        """``x @ weightᵀ (+ bias)`` [M, out] with ``kernel`` ("packed", "native" or "blas")."""
         if kernel == "packed":
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if kernel == "native":
-            return decode_cpu.linear(x.contiguous(), self.weight)
-        return F.linear(x, self.weight)
+            out = decode_cpu.linear(x.contiguous(), self.weight)
+            return out if self.bias is None else out.add_(self.bias)
+        return F.linear(x, self.weight, self.bias)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         out = self.product(self.kernel(len(x)), x)
@@ -191,40 +196,6 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
-
-
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding (Llama's rotate-half layout). x [..., H, T, hd], positions [..., T]."""
-    half = x.shape[-1] // 2
-    inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)  # [hd/2]
-    angles = positions.to(torch.float32)[..., None] * inv_freq  # [..., T, hd/2]
-    cos = torch.cat([angles.cos(), angles.cos()], dim=-1).unsqueeze(-3).to(x.dtype)  # [..., 1, T, hd]
-    sin = torch.cat([angles.sin(), angles.sin()], dim=-1).unsqueeze(-3).to(x.dtype)
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
-
-
-def rope_table(max_len: int, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cosines and sign-folded sines of positions ``0 … max_len − 1``: ([max_len, hd], [max_len, hd]).
-
-    The sines are stored as ``[−sin, sin]`` halves, so ``apply_rope_table`` needs one flip, no negation.
-    """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    angles = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq  # [max_len, hd/2]
-    cos = torch.cat([angles.cos(), angles.cos()], dim=-1).to(dtype)
-    sin = torch.cat([-angles.sin(), angles.sin()], dim=-1).to(dtype)
-    return cos, sin
-
-
-def apply_rope_table(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of x [N, heads, hd] with rows of ``rope_table``: cos/sin [N, 1, hd].
-
-    transformers: ``x * cos + rotate_half(x) * sin`` with ``rotate_half([x1, x2]) = [-x2, x1]``;
-    here ``flip([x1, x2]) * [-s, s] = [-x2 * s, x1 * s]``, the same products exactly.
-    """
-    N, heads, hd = x.shape
-    flipped = x.reshape(N, heads, 2, hd // 2).flip(2).reshape(N, heads, hd)
-    return torch.addcmul(x * cos, flipped, sin)
 
 
 # -- the draft vocabulary (d2t / t2d) ----------------------------------------------------------
@@ -379,16 +350,55 @@ class DrafterSectionBase(BaseModel):
 
 
 def target_sizes(target: Any) -> dict:
-    """The target's shapes a drafter config defaults to: heads, KV heads, head dim, MLP width, norm eps, RoPE theta."""
-    tcfg = target.model.config
+    """The target's shapes a drafter config defaults to: heads, KV heads, head dim, MLP width, norm
+    eps, and its RoPE (``rope_theta``, ``rope_scaling``: transformers' rope parameters besides the
+    theta, None for the default type, and ``max_position_embeddings``), from ``check_supported``:
+    a drafter rotates by the target's rule (``drafters/rope.py``)."""
+    spec = check_supported(target.model.config)
     return {
-        "num_heads": tcfg.num_attention_heads,
-        "num_kv_heads": tcfg.num_key_value_heads,
-        "head_dim": getattr(tcfg, "head_dim", None) or target.hidden_size // tcfg.num_attention_heads,
-        "intermediate_size": tcfg.intermediate_size,
-        "rms_norm_eps": tcfg.rms_norm_eps,
-        "rope_theta": float((getattr(tcfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
+        "num_heads": spec.num_heads,
+        "num_kv_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "intermediate_size": spec.intermediate_size,
+        "rms_norm_eps": spec.rms_norm_eps,
+        **target_rope(target),
     }
+
+
+def target_rope(target: Any) -> dict:
+    """A drafter config's RoPE fields for ``target``: ``rope_theta``, ``rope_scaling`` and
+    ``max_position_embeddings`` (``target_sizes``)."""
+    rope = check_supported(target.model.config).rope
+    return {"rope_theta": rope.theta, "rope_scaling": rope.scaling,
+            "max_position_embeddings": rope.max_position_embeddings}
+
+
+def drafter_rope(config: Any) -> RopeSpec:
+    """The ``RopeSpec`` of a drafter config (its ``head_dim``, ``rope_theta``, ``rope_scaling``,
+    ``max_position_embeddings``)."""
+    return RopeSpec.of(config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings)
+
+
+def check_drafter_rope(config: Any) -> None:
+    """Raise ValueError naming the field unless a drafter config's RoPE is one ``drafters/rope.py`` computes."""
+    rope_frequencies(drafter_rope(config))
+
+
+class RotaryFrequencies:
+    """A drafter attention's RoPE from its config's RoPE fields: transformers' ``inv_freq`` [hd/2]
+    (float32, kept off the module: no state-dict entry, and a module cast to bf16 does not round
+    it) and attention scaling; ``rotate(x, positions)`` is ``apply_rope`` with them."""
+
+    def __init__(self, config: Any):
+        inv_freq, self.scaling = rope_frequencies(drafter_rope(config))
+        self._inv_freq = {inv_freq.device: inv_freq}  # device -> the float32 frequencies there
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [..., H, T, hd] at positions [..., T] -> rotated, the same shape."""
+        inv_freq = self._inv_freq.get(x.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq[x.device] = next(iter(self._inv_freq.values())).to(x.device)
+        return apply_rope(x, positions, inv_freq, self.scaling)
 
 
 @dataclass(frozen=True)

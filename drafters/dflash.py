@@ -73,7 +73,8 @@ import torch.nn.functional as F
 from pydantic import Field, field_validator
 from torch import nn
 
-from specray.drafters.common import DrafterSectionBase, DraftVocabHead, Linear, RMSNorm, apply_rope, target_sizes
+from specray.drafters.common import (DrafterSectionBase, DraftVocabHead, Linear, RMSNorm, RotaryFrequencies,
+                                     check_drafter_rope, target_rope, target_sizes)
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,10 @@ class DFlashConfig:
     draft_vocab_size: int | None = None  # V_d: draft over the V_d most frequent answer tokens (None = all V)
     # how mask_token_id was chosen (MASK_ORIGINS: choose_mask_token's rule, or set by the user / in code)
     mask_token_origin: str = "config"
+    # the target's RoPE besides its theta (transformers' rope_parameters, e.g. llama3's factor and bands;
+    # None = the default type) and its max_position_embeddings (drafters/rope.py)
+    rope_scaling: dict | None = None
+    max_position_embeddings: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))
@@ -118,6 +123,7 @@ class DFlashConfig:
         if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}] (the target's vocabulary) or None, "
                              f"got {self.draft_vocab_size}")
+        check_drafter_rope(self)
 
     @property
     def num_draft_tokens(self) -> int:  # m
@@ -224,20 +230,21 @@ class DFlashSection(DrafterSectionBase):
             intermediate_size=self.intermediate_size or sizes["intermediate_size"],
             block_size=self.block_size, attention=self.attention, sliding_window=self.sliding_window,
             block_key_bias=self.block_key_bias, draft_vocab_size=self.draft_vocab_size,
-            rms_norm_eps=sizes["rms_norm_eps"], rope_theta=sizes["rope_theta"],
+            rms_norm_eps=sizes["rms_norm_eps"], rope_theta=sizes["rope_theta"], rope_scaling=sizes["rope_scaling"],
+            max_position_embeddings=sizes["max_position_embeddings"],
         )
 
 
 def debug_config(target: Any, layer_ids: tuple[int, ...] | None = None) -> DFlashConfig:
-    """A tiny DFlash config for tests on ``target`` (1 layer, 4 heads of 16, B = 4), reading
-    ``layer_ids`` (None: low, middle and high layers ``(1, L // 2, L - 3)``)."""
+    """A tiny DFlash config for tests on ``target`` (1 layer, 4 heads of 16, B = 4, the target's RoPE),
+    reading ``layer_ids`` (None: low, middle and high layers ``(1, L // 2, L - 3)``)."""
     L = target.model.config.num_hidden_layers
     mask, origin = choose_mask_token(target.tokenizer, target.vocab_size)
     return DFlashConfig(
         hidden_size=target.hidden_size, vocab_size=target.vocab_size,
         target_layer_ids=tuple(layer_ids) if layer_ids is not None else (1, L // 2, L - 3),
         mask_token_id=mask, mask_token_origin=origin, num_layers=1, num_heads=4, num_kv_heads=2,
-        head_dim=16, intermediate_size=128, block_size=4,
+        head_dim=16, intermediate_size=128, block_size=4, **target_rope(target),
     )
 
 
@@ -255,13 +262,14 @@ class DFlashAttention(nn.Module):
         # Off (0): no parameter at all, so the drafter and its export are what peer models compute.
         bias = nn.Parameter(torch.full((H,), float(cfg.block_key_bias))) if cfg.block_key_bias else None
         self.register_parameter("block_key_bias", bias)
+        self.rope = RotaryFrequencies(cfg)
 
     def project_kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of ``x`` [Bt, T, D] at ``positions`` [Bt, T] -> ([Bt, Hkv, T, hd], [Bt, Hkv, T, hd])."""
         Bt, T, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(Bt, T, self.cfg.num_kv_heads, self.cfg.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(Bt, T, self.cfg.num_kv_heads, self.cfg.head_dim).transpose(1, 2)
-        return apply_rope(k, positions, self.cfg.rope_theta), v
+        return self.rope.rotate(k, positions), v
 
     def forward(self, x, positions, ctx_k, ctx_v, mask, query_rows: slice | None = None):
         """x [Bt, Q, D] block states; ctx_k/ctx_v [Bt, Hkv, S, hd]; mask [Bt, Q, S + Q] bool (True = attend).
@@ -272,7 +280,7 @@ class DFlashAttention(nn.Module):
             x[:, query_rows], positions[:, query_rows], mask[:, query_rows])
         Qq = xq.shape[1]
         q = self.q_norm(self.q_proj(xq).view(Bt, Qq, self.cfg.num_heads, self.cfg.head_dim)).transpose(1, 2)
-        q = apply_rope(q, pq, self.cfg.rope_theta)  # [Bt, H, Qq, hd]
+        q = self.rope.rotate(q, pq)  # [Bt, H, Qq, hd]
         k_d, v_d = self.project_kv(x, positions)
         k = torch.cat([ctx_k, k_d], dim=2)  # [Bt, Hkv, S + Q, hd]
         v = torch.cat([ctx_v, v_d], dim=2)
@@ -337,7 +345,8 @@ def block_attention_mask(
     mask = torch.cat([ctx & used[:, :, None], blocks], dim=-1)
     # An unused slot sees nothing; give it its own key so softmax stays finite (its loss is masked).
     diag = torch.zeros_like(blocks)
-    diag[:, torch.arange(Q), torch.arange(Q)] = ~used
+    rows = torch.arange(Q, device=anchors.device)
+    diag[:, rows, rows] = ~used
     mask[:, :, S:] |= diag
     return mask
 

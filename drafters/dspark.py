@@ -200,7 +200,8 @@ class DSparkDrafter(DFlashDrafter):
         path = Path(export_dir) / CALIBRATION_FILE
         if path.is_file():
             tables = read_calibration(export_dir, self.config.block_size)
-            self.confidence_temperature.copy_(torch.tensor([tables[mode] for mode in CALIBRATION_MODES]))
+            self.confidence_temperature.copy_(torch.tensor([tables[mode] for mode in CALIBRATION_MODES],
+                                                            device=self.confidence_temperature.device))
 
     def confidence_logits(self, hidden: torch.Tensor, prev_emb: torch.Tensor) -> torch.Tensor:
         """hidden [..., D], prev_emb [..., r] -> confidence logits [...]."""

@@ -45,7 +45,8 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from specray.drafters.common import DrafterSectionBase, DraftVocabHead, Linear, RMSNorm, apply_rope, target_sizes
+from specray.drafters.common import (DrafterSectionBase, DraftVocabHead, Linear, RMSNorm, RotaryFrequencies,
+                                     check_drafter_rope, target_rope, target_sizes)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,10 @@ class Eagle3Config:
     rope_theta: float = 10000.0
     norm_before_residual: bool = False  # residual of the first layer: hidden_norm(state) instead of the state
     draft_vocab_size: int | None = None  # V_d: draft over the V_d most frequent answer tokens (None = all V)
+    # the target's RoPE besides its theta (transformers' rope_parameters, e.g. llama3's factor and bands;
+    # None = the default type) and its max_position_embeddings (drafters/rope.py)
+    rope_scaling: dict | None = None
+    max_position_embeddings: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))
@@ -74,6 +79,7 @@ class Eagle3Config:
         if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}] (the target's vocabulary) or None, "
                              f"got {self.draft_vocab_size}")
+        check_drafter_rope(self)
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -110,20 +116,21 @@ class Eagle3Section(DrafterSectionBase):
             num_layers=self.num_layers, num_heads=self.num_heads or sizes["num_heads"],
             num_kv_heads=self.num_kv_heads or sizes["num_kv_heads"], head_dim=self.head_dim or sizes["head_dim"],
             intermediate_size=self.intermediate_size or sizes["intermediate_size"],
-            rms_norm_eps=sizes["rms_norm_eps"], rope_theta=sizes["rope_theta"],
+            rms_norm_eps=sizes["rms_norm_eps"], rope_theta=sizes["rope_theta"], rope_scaling=sizes["rope_scaling"],
+            max_position_embeddings=sizes["max_position_embeddings"],
             norm_before_residual=self.norm_before_residual, draft_vocab_size=self.draft_vocab_size,
         )
 
 
 def debug_config(target: Any, layer_ids: tuple[int, ...] | None = None, **overrides) -> Eagle3Config:
-    """A tiny EAGLE-3 config for tests on ``target`` (1 layer, 4 heads of 16, MLP 128), reading
-    ``layer_ids`` (None: the eagle3 contract's default ``(1, L // 2 − 1, L − 4)``)."""
+    """A tiny EAGLE-3 config for tests on ``target`` (1 layer, 4 heads of 16, MLP 128, the target's
+    RoPE), reading ``layer_ids`` (None: the eagle3 contract's default ``(1, L // 2 − 1, L − 4)``)."""
     L = target.model.config.num_hidden_layers
     values = dict(
         hidden_size=target.hidden_size, vocab_size=target.vocab_size,
         target_layer_ids=tuple(layer_ids) if layer_ids is not None else (1, L // 2 - 1, L - 4),
         num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
-        rms_norm_eps=target.model.config.rms_norm_eps,
+        rms_norm_eps=target.model.config.rms_norm_eps, **target_rope(target),
     )
     return Eagle3Config(**{**values, **overrides})
 
@@ -143,6 +150,7 @@ class Eagle3Attention(nn.Module):
         self.k_proj = Linear(in_features, Hkv * hd, bias=False)
         self.v_proj = Linear(in_features, Hkv * hd, bias=False)
         self.o_proj = Linear(H * hd, cfg.hidden_size, bias=False)
+        self.rope = RotaryFrequencies(cfg)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor):
         """x [B, T, in], positions [B, T] -> q [B, H, T, hd], k/v [B, Hkv, T, hd] (q and k rotated)."""
@@ -151,8 +159,7 @@ class Eagle3Attention(nn.Module):
         q = self.q_proj(x).view(B, T, self.cfg.num_heads, hd).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.cfg.num_kv_heads, hd).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.cfg.num_kv_heads, hd).transpose(1, 2)
-        theta = self.cfg.rope_theta
-        return apply_rope(q, positions, theta), apply_rope(k, positions, theta), v
+        return self.rope.rotate(q, positions), self.rope.rotate(k, positions), v
 
 
 class Eagle3MLP(nn.Module):

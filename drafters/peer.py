@@ -278,8 +278,10 @@ def layer_config(layout: PeerLayout, arch: dict, target: Target, dtype: torch.dt
         intermediate_size=arch["intermediate_size"], num_hidden_layers=arch["num_layers"],
         num_attention_heads=arch["num_heads"], num_key_value_heads=arch["num_kv_heads"], head_dim=arch["head_dim"],
         hidden_act="silu", rms_norm_eps=arch["rms_norm_eps"], attention_bias=False,
-        rope_parameters={"rope_type": "default", "rope_theta": float(arch["rope_theta"])},
-        max_position_embeddings=tcfg.max_position_embeddings, tie_word_embeddings=False,
+        # the drafter's RoPE, which is the target's (drafters/rope.py): the peer's rotary class computes it
+        rope_parameters={"rope_type": "default", **(arch.get("rope_scaling") or {}), "rope_theta": float(arch["rope_theta"])},
+        max_position_embeddings=arch.get("max_position_embeddings") or tcfg.max_position_embeddings,
+        tie_word_embeddings=False,
         pad_token_id=tcfg.pad_token_id, bos_token_id=tcfg.bos_token_id, eos_token_id=tcfg.eos_token_id,
     ).to_dict()
     config["dtype"] = str(dtype).removeprefix("torch.")

@@ -208,10 +208,10 @@ def _row_offsets(B: int, T: int | None, lengths: torch.Tensor | None) -> torch.T
     if (T is None) == (lengths is None):
         raise ValueError("give T (rows per request, padded) or lengths (rows packed back to back), not both")
     if lengths is None:
-        return torch.arange(B + 1, dtype=torch.int64) * T
+        return torch.arange(B + 1, dtype=torch.int64, device="cpu") * T
     if lengths.shape != (B,) or int(lengths.min()) < 1:
         raise ValueError(f"lengths: expected {B} row counts >= 1, got {lengths.tolist()}")
-    return torch.cat([torch.zeros(1, dtype=torch.int64), lengths.to(torch.int64).cumsum(0)])
+    return torch.cat([torch.zeros(1, dtype=torch.int64, device="cpu"), lengths.to(torch.int64).cumsum(0)])
 
 
 def attention_reference(qkv: torch.Tensor, *, B: int, T: int | None = None, num_heads: int, num_kv_heads: int,

@@ -200,17 +200,20 @@ def profile_runner(runner: LlamaRunner, machine: MachineDescription, *, batch_si
     twin.cache = SlotKVCache(num_layers=cache.k.shape[0], num_slots=batch_sizes[-1], max_len=context_tokens + rows[-1],
                              num_kv_heads=cache.k.shape[2], head_dim=cache.k.shape[4], dtype=cache.k.dtype,
                              device=cache.k.device)
-    slots = torch.arange(batch_sizes[-1])
-    twin.forward(torch.zeros(len(slots), context_tokens, dtype=torch.long), slots, torch.full((len(slots),), context_tokens))
+    slots = torch.arange(batch_sizes[-1], device="cpu")
+    twin.forward(torch.zeros(len(slots), context_tokens, dtype=torch.long, device=runner.device), slots,
+                 torch.full((len(slots),), context_tokens, device="cpu"))
     twin.cache.committed[slots] = context_tokens  # every slot holds the context; the forwards below are scratch
     entries = []
     for i, (b, r) in enumerate((b, r) for b in batch_sizes for r in rows):
-        ids, used = torch.zeros(b, r, dtype=torch.long), slots[:b]
-        twin.forward(ids, used, torch.full((b,), r))  # warm-up of this shape
+        ids, used, new = torch.zeros(b, r, dtype=torch.long, device=runner.device), slots[:b], torch.full((b,), r, device="cpu")
+        twin.forward(ids, used, new)  # warm-up of this shape
+        twin.synchronize()
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            twin.forward(ids, used, torch.full((b,), r))
+            twin.forward(ids, used, new)
+            twin.synchronize()  # an accelerator's forward is timed to its end, not to its launch
             times.append(time.perf_counter() - start)
         entries.append(CostEntry(batch=b, rows=r, seconds=statistics.median(times)))
         if progress is not None:

@@ -174,7 +174,8 @@ class Engine:
         version = self.versions.active
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         handle = RequestHandle(request_id, ids, params, version.version, decode=self.decode, abort=self.abort)
-        request = Request(handle, ids, params, torch.Generator().manual_seed(seed), version)
+        # on the runner's device: every draw of the request (drafts, verification, sampling) runs there
+        request = Request(handle, ids, params, torch.Generator(device=self.runner.device).manual_seed(seed), version)
         version.live += 1
         self._requests[request_id] = request
         self._waiting.append(request)

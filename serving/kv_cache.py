@@ -1,5 +1,9 @@
 """Slot KV cache with an explicit commit (DESIGN.md §2, §7; seed §8.1).
 
+K/V live on the cache's device (the target's); the per-slot bookkeeping (``committed``,
+``in_use``) and the ``slots`` / ``start`` tensors callers pass stay on the CPU, and indices into
+K/V are moved to the cache's device where they are used.
+
 Each request owns a slot: a preallocated ``[max_len]`` strip of K/V rows per layer. A forward
 writes the rows it runs at positions ``committed[slot] …`` as *scratch*; only ``commit(slot, r)``
 makes the first ``r`` of them part of the request's context. Rows past the committed length are
@@ -23,8 +27,9 @@ class SlotKVCache:
         shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, Hkv, max_len, hd]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.committed = torch.zeros(num_slots, dtype=torch.long)  # [slots] rows of trusted context
-        self.in_use = torch.zeros(num_slots, dtype=torch.bool)
+        # bookkeeping on the CPU, wherever K/V live: read by Python every step
+        self.committed = torch.zeros(num_slots, dtype=torch.long, device="cpu")  # [slots] rows of trusted context
+        self.in_use = torch.zeros(num_slots, dtype=torch.bool, device="cpu")
         self.max_len = max_len
 
     @property
@@ -60,19 +65,19 @@ class SlotKVCache:
         Writes go through ``index_copy_`` on that view: one contiguous-row copy per index, where an
         advanced-index ``index_put_`` over (slot, head, position) runs in parallel regions that cost
         about 0.6 ms per call on two threads at batch 16 (100× the copy)."""
-        Hkv = self.k.shape[2]
-        base = (slots[:, None] * Hkv + torch.arange(Hkv)[None, :]) * self.max_len  # [B, Hkv]
-        rows = start[:, None] + torch.arange(T)  # [B, T]
+        Hkv, device = self.k.shape[2], start.device
+        base = (slots.to(device)[:, None] * Hkv + torch.arange(Hkv, device=device)[None, :]) * self.max_len  # [B, Hkv]
+        rows = start[:, None] + torch.arange(T, device=device)  # [B, T]
         if heads_first:
-            return (base[:, :, None] + rows[:, None, :]).reshape(-1)
-        return (base[:, None, :] + rows[:, :, None]).reshape(-1)
+            return (base[:, :, None] + rows[:, None, :]).reshape(-1).to(self.k.device)
+        return (base[:, None, :] + rows[:, :, None]).reshape(-1).to(self.k.device)
 
     @staticmethod
     def index(slots: torch.Tensor) -> slice | torch.Tensor:
         """How ``read`` selects ``slots``: consecutive slots (always at batch 1) as a slice, so
         reads are views; others as an index tensor (reads gather a copy). Compute once per forward."""
         first = int(slots[0])
-        if torch.equal(slots, torch.arange(first, first + len(slots))):
+        if torch.equal(slots, torch.arange(first, first + len(slots), device=slots.device)):
             return slice(first, first + len(slots))
         return slots
 
@@ -87,7 +92,7 @@ class SlotKVCache:
         if hi - lo + 1 > 2 * len(slots):
             return None
         places = slots - lo  # [B]
-        return slice(lo, hi + 1), None if torch.equal(places, torch.arange(len(slots))) else places
+        return slice(lo, hi + 1), None if torch.equal(places, torch.arange(len(slots), device=slots.device)) else places
 
     def read(self, layer: int, index: slice | torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V rows ``[0, length)`` of the slots selected by ``index(slots)``: ([B, Hkv, length, hd], same)."""
@@ -105,7 +110,7 @@ class SlotKVCache:
         ``rows`` [n] ascending: gathered (copied) before the write, so overlaps are safe."""
         start = int(self.committed[slot])
         n = len(rows)
-        src = start + torch.as_tensor(rows, dtype=torch.long)
+        src = start + torch.as_tensor(rows, dtype=torch.long, device=self.k.device)
         self.k[:, slot, :, start : start + n] = self.k[:, slot].index_select(2, src)  # [L, Hkv, n, hd]
         self.v[:, slot, :, start : start + n] = self.v[:, slot].index_select(2, src)
 
@@ -113,10 +118,11 @@ class SlotKVCache:
 def attention_mask(start: torch.Tensor, num_new: torch.Tensor, T: int, length: int) -> torch.Tensor:
     """[B, T, length] bool: query t of request b (position start[b] + t) sees keys at positions
     ``<= start[b] + t``; padded queries (t >= num_new[b]) see only position 0 (kept finite)."""
-    q_pos = start[:, None] + torch.arange(T)[None, :]  # [B, T]
-    k_pos = torch.arange(length)
+    device = start.device
+    q_pos = start[:, None] + torch.arange(T, device=device)[None, :]  # [B, T]
+    k_pos = torch.arange(length, device=device)
     mask = k_pos[None, None, :] <= q_pos[:, :, None]
-    padded = torch.arange(T)[None, :] >= num_new[:, None]
+    padded = torch.arange(T, device=device)[None, :] >= num_new.to(device)[:, None]
     mask[padded] = False
     mask[..., 0] |= padded
     return mask
@@ -128,7 +134,8 @@ def tree_attention_mask(start: torch.Tensor, ancestors: torch.Tensor, length: in
     ``ancestors[b, t, j]`` (row j is t or an ancestor of t); keys past ``start[b] + S`` not at all.
     ``ancestors`` [B, T, S]: S = T in a verify; S scratch rows of earlier forwards for draft rows."""
     B, T, S = ancestors.shape
-    k_pos = torch.arange(length)
+    start = start.to(ancestors.device)
+    k_pos = torch.arange(length, device=ancestors.device)
     mask = (k_pos[None, None, :] < start[:, None, None]).expand(B, T, length).clone()
     if S == 0:
         return mask

@@ -1,4 +1,12 @@
-"""Target runner: our own Llama-family forward over a ``SlotKVCache``.
+"""Target runner: our own forward of the target over a ``SlotKVCache``.
+
+It computes the families ``drafters/target_spec.py::check_supported`` accepts — Llama (Llama 2 /
+3.x RoPE scaling, ``attention_bias``, ``mlp_bias``), Qwen2 (q/k/v biases), Qwen3 (per-head q/k
+RMSNorm before RoPE), Mistral (while no sequence reaches past its sliding window) — with tied
+or untied embeddings and any ``head_dim``, and refuses every other config at construction with
+the field named. RoPE is transformers' own (``drafters/rope.py``: its inverse-frequency
+function for the config's ``rope_type``, attention scaling included). On CPU in fp32 the fused
+kernels below run; on CUDA (or in bf16) plain torch ops on the model's device.
 
 Why not ``model(...)`` with transformers' cache: at batch 1 on CPU a decode step is a chain of
 small matrix products over 531 MB of fp32 weights plus a few hundred small ops, and
@@ -42,7 +50,8 @@ rows and the decoder-layer outputs of ``capture_layer_ids`` (the drafter's conte
 same capture point as ``capture/contract.py``), written side by side into one tensor as the
 layers run (``RunnerOutput.features``: a drafter alone on the runner reads it as is, with no
 copy on a plain step's path). All in the target's dtype (fp32 by default),
-equal to transformers up to float rounding (``tests/serving/test_runner.py``).
+equal to transformers up to float rounding (``tests/serving/test_runner.py``; every family at
+positions up to 4k: ``tests/conformance/test_families.py``).
 """
 
 from __future__ import annotations
@@ -54,7 +63,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specray.drafters.common import FrozenLinear, apply_rope_table, pick_kernels, rope_table
+from specray.drafters.common import FrozenLinear, pick_kernels
+from specray.drafters.rope import apply_rope_table, rope_table
+from specray.drafters.target_spec import TargetSpec, check_supported
 from specray.kernels import decode_cpu
 from specray.serving.kv_cache import SlotKVCache, attention_mask, tree_attention_mask
 
@@ -99,11 +110,11 @@ class TreeLayout:
 
 
 def pad_rows(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad token lists: (ids [B, T_max], lengths [B])."""
-    lengths = torch.tensor([len(s) for s in seqs])
-    ids = torch.zeros(len(seqs), int(lengths.max()), dtype=torch.long)
+    """Right-pad token lists: (ids [B, T_max], lengths [B]), on the CPU."""
+    lengths = torch.tensor([len(s) for s in seqs], device="cpu")
+    ids = torch.zeros(len(seqs), int(lengths.max()), dtype=torch.long, device="cpu")
     for b, s in enumerate(seqs):
-        ids[b, : len(s)] = torch.tensor(s)
+        ids[b, : len(s)] = torch.tensor(s, dtype=torch.long, device="cpu")
     return ids, lengths
 
 
@@ -116,6 +127,33 @@ def _chain(lm_head: FrozenLinear, layers: list[dict]) -> list[FrozenLinear]:
     return [layer[name] for layer in layers for name in ("qkv", "o", "gate_up", "down")] + [lm_head]
 
 
+def _fused_bias(*linears) -> torch.Tensor | None:
+    """The bias of the linears' outputs stacked (zeros for one without a bias), None if none has one."""
+    if all(lin.bias is None for lin in linears):
+        return None
+    return torch.cat([lin.weight.new_zeros(lin.out_features) if lin.bias is None else lin.bias for lin in linears])
+
+
+def _prepare_layer(layer) -> dict:
+    """One decoder layer's serving weights: norms, the fused products (with their biases: Qwen2's
+    q/k/v, Llama's ``attention_bias`` and ``mlp_bias``) and Qwen3's per-head q/k norm weights (None
+    for the families without)."""
+    a, m = layer.self_attn, layer.mlp
+    q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+    return {
+        "in_norm": layer.input_layernorm.weight,
+        "qkv": FrozenLinear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),  # [(H+2Hkv)hd, D]
+                            _fused_bias(a.q_proj, a.k_proj, a.v_proj)),
+        "q_norm": None if q_norm is None else q_norm.weight,  # [hd]
+        "k_norm": None if k_norm is None else k_norm.weight,
+        "o": FrozenLinear(a.o_proj.weight, a.o_proj.bias),
+        "post_norm": layer.post_attention_layernorm.weight,
+        "gate_up": FrozenLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight]),  # [2I, D]
+                                _fused_bias(m.gate_proj, m.up_proj)),
+        "down": FrozenLinear(m.down_proj.weight, m.down_proj.bias),
+    }
+
+
 def _prepared(model) -> tuple[FrozenLinear, list[dict]]:
     """The model's serving weights, made on first use and shared while the model lives: the LM
     head, and per layer the norms and the products (``[q; k; v]`` and ``[gate; up]`` fused), with
@@ -124,18 +162,8 @@ def _prepared(model) -> tuple[FrozenLinear, list[dict]]:
     versions = tuple(p._version for p in model.parameters())
     with _PREPARED_LOCK:
         if model not in _PREPARED or _PREPARED[model][0] != versions:
-            layers = []
-            for layer in model.model.layers:
-                a, m = layer.self_attn, layer.mlp
-                layers.append({
-                    "in_norm": layer.input_layernorm.weight,
-                    "qkv": FrozenLinear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),  # [(H+2Hkv)hd, D]
-                    "o": FrozenLinear(a.o_proj.weight),
-                    "post_norm": layer.post_attention_layernorm.weight,
-                    "gate_up": FrozenLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight])),  # [2I, D]
-                    "down": FrozenLinear(m.down_proj.weight),
-                })
-            lm_head = FrozenLinear(model.lm_head.weight)  # [V, D] (tied on SmolLM2: the embedding's tensor)
+            layers = [_prepare_layer(layer) for layer in model.model.layers]
+            lm_head = FrozenLinear(model.lm_head.weight, model.lm_head.bias)  # [V, D] (tied on SmolLM2: the embedding's tensor)
             pick_kernels(_chain(lm_head, layers))
             _PREPARED[model] = (versions, lm_head, layers)
         return _PREPARED[model][1:]
@@ -163,15 +191,18 @@ class _Plan:
 
 
 class LlamaRunner:
+    """The target's forward over a slot KV cache, for every family ``check_supported`` accepts
+    (``drafters/target_spec.py``: Llama, Qwen2, Qwen3, Mistral; anything else is refused here with
+    the config field named). Runs on the model's device: CPU (the fused kernels in fp32) or an
+    accelerator (plain torch ops). ``slots`` and ``num_new`` are CPU tensors (the cache's
+    bookkeeping); ``input_ids`` may be on any device; outputs are on the model's."""
+
     def __init__(self, model, *, num_slots: int, max_len: int, capture_layer_ids: tuple[int, ...] = (),
                  native: bool | None = None):
         cfg = model.config
-        if cfg.model_type not in ("llama",):
-            raise ValueError(f"the serving runner supports Llama-family targets, got model_type={cfg.model_type!r}")
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.eps = cfg.rms_norm_eps
+        self.spec: TargetSpec = check_supported(cfg, max_len=max_len)
+        self.num_heads, self.num_kv_heads, self.head_dim = self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim
+        self.eps = self.spec.rms_norm_eps
         self.capture_layer_ids = tuple(capture_layer_ids)  # read by every forward (the engine may swap it between steps)
         if any(not 0 <= i < cfg.num_hidden_layers for i in self.capture_layer_ids):
             raise ValueError(f"capture_layer_ids {self.capture_layer_ids} outside 0..{cfg.num_hidden_layers - 1}")
@@ -179,28 +210,37 @@ class LlamaRunner:
             raise ValueError(f"capture_layer_ids {self.capture_layer_ids} repeat a layer")
         dtype = model.lm_head.weight.dtype
         self.embed = model.model.embed_tokens.weight  # [V, D]
+        self.device = self.embed.device
         self.final_norm = model.model.norm.weight
         self.lm_head, self.layers = _prepared(model)
-        theta = float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
-        self.cos, self.sin = rope_table(max_len, self.head_dim, theta, dtype)  # [max_len, hd] each, sines sign-folded
+        if (self.layers[0]["q_norm"] is not None) != self.spec.qk_norm:
+            raise ValueError(f"model_type={cfg.model_type!r} and the model's modules disagree on q/k norms")
+        # [max_len, hd] each, sines sign-folded: transformers' RoPE of the target's rope_parameters (drafters/rope.py)
+        self.cos, self.sin = rope_table(max_len, self.spec.rope, dtype, self.device)
         self.cache = SlotKVCache(num_layers=len(self.layers), num_slots=num_slots, max_len=max_len,
-                                 num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=dtype)
+                                 num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=dtype, device=self.device)
         # the fused kernels (kernels/decode_cpu.py) for fp32 on CPU when they build here; native=True requires them
-        supported = dtype == torch.float32 and self.embed.device.type == "cpu"
+        supported = dtype == torch.float32 and self.device.type == "cpu"
         if native and not (supported and decode_cpu.available()):
             raise RuntimeError("native=True needs an fp32 CPU target and the fused CPU kernels: "
-                               + (decode_cpu.unavailable_reason() or f"the target is {dtype} on {self.embed.device}"))
+                               + (decode_cpu.unavailable_reason() or f"the target is {dtype} on {self.device}"))
         self.native = supported and decode_cpu.available() if native is None else native
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (an accelerator's; nothing to wait for on the CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def products(self) -> list[FrozenLinear]:
         """Every product one forward runs, in order (``_chain``)."""
         return _chain(self.lm_head, self.layers)
 
     def _plan(self, slots: torch.Tensor, num_new: torch.Tensor, T: int, tree: TreeLayout | None) -> _Plan:
-        B, Hkv, hd = len(slots), self.num_kv_heads, self.head_dim
+        B, Hkv, hd, device = len(slots), self.num_kv_heads, self.head_dim, self.device
         start = self.cache.committed[slots]  # [B]
-        rows_at = (start[:, None] + torch.arange(T)).view(-1)  # [B*T] cache rows written
-        positions = rows_at if tree is None else (start[:, None] + tree.depths).view(-1)  # [B*T] RoPE positions
+        rows_at = (start[:, None] + torch.arange(T, device=start.device)).view(-1)  # [B*T] cache rows written
+        positions = rows_at if tree is None else (start[:, None] + tree.depths.cpu()).view(-1)  # [B*T] RoPE positions
+        positions = positions.to(device)
         length = int((start + T).max())
         if length > self.cache.max_len:
             raise ValueError(f"context of {length} tokens exceeds the engine's max_len {self.cache.max_len}")
@@ -216,8 +256,10 @@ class LlamaRunner:
         window, keys, values, places, index = self.cache.window(slots), None, None, None, None
         if window is None:
             index = self.cache.index(slots)
+            index = index if isinstance(index, slice) else index.to(device)
         else:  # views: they see this forward's writes
             span, places = window
+            places = None if places is None else places.to(device)
             L, W = len(self.layers), span.stop - span.start
             keys = list(self.cache.k[:, span, :, :length].view(L, W * Hkv, length, hd).unbind(0))
             values = list(self.cache.v[:, span, :, :length].view(L, W * Hkv, length, hd).unbind(0))
@@ -235,7 +277,7 @@ class LlamaRunner:
         length = int((start + T).max())
         if length > self.cache.max_len:
             raise ValueError(f"context of {length} tokens exceeds the engine's max_len {self.cache.max_len}")
-        offsets = torch.arange(T) if tree is None else tree.depths
+        offsets = torch.arange(T, device=start.device) if tree is None else tree.depths.to(start.device)
         positions = (start[:, None] + offsets).view(-1)  # [B*T] RoPE positions
         return decode_cpu.Attention(
             B=len(slots), T=T, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, cos=self.cos[positions],
@@ -252,7 +294,8 @@ class LlamaRunner:
             mask = attention_mask(start, num_new, T, length)  # [B, T, length]
         else:
             mask = tree_attention_mask(start, tree.ancestors, length)
-        bias = torch.zeros(mask.shape, dtype=self.cos.dtype).masked_fill_(~mask, float("-inf"))
+        bias = torch.zeros(mask.shape, dtype=self.cos.dtype, device=self.device).masked_fill_(~mask.to(self.device),
+                                                                                          float("-inf"))
         return bias[:, None, None].expand(B, Hkv, g, T, length).reshape(B * Hkv, g * T, length)
 
     def _attention(self, i: int, qkv: torch.Tensor, plan: _Plan) -> torch.Tensor:
@@ -296,7 +339,7 @@ class LlamaRunner:
             return self._decoder_native(x, attend, columns), features
         for i, w in enumerate(self.layers):
             h = F.rms_norm(x, (D,), w["in_norm"], self.eps)
-            x = w["o"](attend(i, w["qkv"](h)), residual=x)
+            x = w["o"](attend(i, self._qkv(w, h)), residual=x)
             gate, up = w["gate_up"](F.rms_norm(x, (D,), w["post_norm"], self.eps)).chunk(2, dim=-1)
             x = w["down"](F.silu(gate).mul_(up), residual=x)
             if i in columns:
@@ -309,11 +352,22 @@ class LlamaRunner:
         (``x + y``) is added straight into its ``columns``."""
         y = None  # the last product's output, not yet added to x
         for i, w in enumerate(self.layers):
-            y = w["o"](attend(i, w["qkv"](decode_cpu.add_rms_norm(x, y, w["in_norm"], self.eps))))
+            y = w["o"](attend(i, self._qkv(w, decode_cpu.add_rms_norm(x, y, w["in_norm"], self.eps))))
             y = w["down"](decode_cpu.silu_mul(w["gate_up"](decode_cpu.add_rms_norm(x, y, w["post_norm"], self.eps))))
             if i in columns:
                 torch.add(x, y, out=columns[i])
         return x.add_(y)
+
+    def _qkv(self, w: dict, h: torch.Tensor) -> torch.Tensor:
+        """A layer's fused q/k/v product of normed rows h [R, D] -> [R, (H+2Hkv)hd]; with Qwen3's q/k
+        norms, each head of q and k RMS-normed in place (before RoPE, which attention applies)."""
+        qkv = w["qkv"](h)
+        if w["q_norm"] is not None:
+            H, Hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+            q, k = qkv[:, : H * hd].view(-1, H, hd), qkv[:, H * hd : (H + Hkv) * hd].view(-1, Hkv, hd)
+            q.copy_(F.rms_norm(q, (hd,), w["q_norm"], self.eps))
+            k.copy_(F.rms_norm(k, (hd,), w["k_norm"], self.eps))
+        return qkv
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(F.rms_norm(x, (x.shape[-1],), self.final_norm, self.eps)).float()
@@ -329,7 +383,7 @@ class LlamaRunner:
             plan = self._plan(slots, num_new, T, tree)
             attend = lambda i, qkv: self._attention(i, qkv, plan)  # noqa: E731
         layers = self.capture_layer_ids
-        x, features = self._decoder(F.embedding(input_ids.reshape(-1), self.embed), attend, layers)
+        x, features = self._decoder(F.embedding(input_ids.reshape(-1).to(self.device), self.embed), attend, layers)
         return RunnerOutput(self._logits(x).view(B, T, -1), None if features is None else features.view(B, T, -1), layers)
 
     @torch.inference_mode()
@@ -342,30 +396,30 @@ class LlamaRunner:
         every row, right-padded with zeros: a ragged verify, ``serving/workers/dspark.py``) and the
         captured layers' outputs [B, T_max, D], right-padded with zeros — what ``forward`` gives
         for those rows."""
-        lengths = torch.tensor([len(p) for p in prompts])
+        lengths = torch.tensor([len(p) for p in prompts], device="cpu")
         start = self.cache.committed[slots]  # [B]
         if int((start + lengths).max()) > self.cache.max_len:
             raise ValueError(f"context of {int((start + lengths).max())} tokens exceeds the engine's max_len "
                              f"{self.cache.max_len}")
         ends = lengths.cumsum(0)  # [B] each prompt's rows are [ends - lengths, ends) of the packed R
-        positions = torch.cat([torch.arange(int(s), int(s) + len(p)) for s, p in zip(start, prompts)])  # [R]
+        positions = torch.cat([torch.arange(int(s), int(s) + len(p), device="cpu") for s, p in zip(start, prompts)])  # [R]
         if self.native:  # one fused call per layer over the packed rows
             attend = decode_cpu.Attention(B=len(prompts), lengths=lengths, num_heads=self.num_heads,
                                           num_kv_heads=self.num_kv_heads, cos=self.cos[positions],
                                           sin=self.sin[positions], k_cache=self.cache.k, v_cache=self.cache.v,
                                           slots=slots.to(torch.int64).contiguous(), start=start)
         else:
-            attend = self._prefill_attention(prompts, slots, start, ends, lengths, positions)
+            attend = self._prefill_attention(prompts, slots, start, ends, lengths, positions.to(self.device))
         layers = self.capture_layer_ids
-        x, features = self._decoder(F.embedding(torch.cat([torch.tensor(p) for p in prompts]), self.embed), attend,
-                                    layers)
+        tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=self.device)  # [R]
+        x, features = self._decoder(F.embedding(tokens, self.embed), attend, layers)
         B, T = len(prompts), int(lengths.max())
-        rows = (torch.arange(T)[None, :] < lengths[:, None]).view(-1).nonzero()[:, 0]  # real rows of [B*T]
+        rows = (torch.arange(T, device="cpu")[None, :] < lengths[:, None]).view(-1).nonzero()[:, 0].to(self.device)  # real rows of [B*T]
 
         def padded(h: torch.Tensor) -> torch.Tensor:  # [R, X] packed -> [B, T, X], zeros past each prompt
             return h.new_zeros(B * T, h.shape[-1]).index_copy_(0, rows, h).view(B, T, -1)
 
-        logits = padded(self._logits(x)) if every_row else self._logits(x[ends - 1])[:, None]
+        logits = padded(self._logits(x)) if every_row else self._logits(x[(ends - 1).to(self.device)])[:, None]
         return RunnerOutput(logits, None if features is None else padded(features), layers)
 
     def _prefill_attention(self, prompts: list[list[int]], slots: torch.Tensor, start: torch.Tensor,
@@ -376,7 +430,8 @@ class LlamaRunner:
         biases = {}  # (rows, committed) -> [Hkv, g*rows, committed + rows] causal bias, shared by equal shapes
         for _, n, _, s in spans:
             if (n, s) not in biases:
-                biases[n, s] = self._attention_bias(torch.tensor([s]), torch.tensor([n]), n, s + n, None)
+                biases[n, s] = self._attention_bias(torch.tensor([s], device="cpu"), torch.tensor([n], device="cpu"), n,
+                                                    s + n, None)
 
         def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
             H, Hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim

@@ -24,8 +24,8 @@ def tree_layout(parents: list[list[int]]) -> TreeLayout:
     ``TreeLayout`` over ``T = max(len)`` rows (a shorter tree's padding rows see only themselves,
     at depth 0). Example: ``[-1, 0, 0, 1]`` -> depths ``[0, 1, 1, 2]``, row 3 sees rows 0, 1, 3."""
     B, T = len(parents), max(len(p) for p in parents)
-    depths = torch.zeros(B, T, dtype=torch.long)
-    ancestors = torch.eye(T, dtype=torch.bool).repeat(B, 1, 1)  # [B, T, T]
+    depths = torch.zeros(B, T, dtype=torch.long, device="cpu")  # the runner's layout: CPU, like its bookkeeping
+    ancestors = torch.eye(T, dtype=torch.bool, device="cpu").repeat(B, 1, 1)  # [B, T, T]
     for b, tree in enumerate(parents):
         if tree[0] != -1 or any(not 0 <= p < t for t, p in enumerate(tree) if t):
             raise ValueError(f"request {b}'s tree {tree} is not topological (row 0 the root, parent -1, "
@@ -60,7 +60,8 @@ def select_tree(anchors: torch.Tensor, tokens: torch.Tensor, parents: torch.Tens
     if not 1 <= size <= N:
         raise ValueError(f"a tree of {size} nodes from {N} generated ones: size must be in [1, {N}]")
     keep = torch.sort(-scores, dim=1, stable=True).indices[:, :size].sort(dim=1).values  # [B, size] generation order
-    row_of = torch.full((B, N), -1, dtype=torch.long).scatter_(1, keep, torch.arange(1, size + 1).expand(B, size))
+    row_of = torch.full((B, N), -1, dtype=torch.long, device=keep.device).scatter_(
+        1, keep, torch.arange(1, size + 1, device=keep.device).expand(B, size))
     parent_node = parents.gather(1, keep)  # [B, size]
     parent_row = torch.where(parent_node < 0, 0, row_of.gather(1, parent_node.clamp(min=0)))
     assert bool((parent_row >= 0).all()), "the kept nodes are not closed under ancestors"
@@ -119,7 +120,7 @@ def _try_children(p: torch.Tensor, children: list[int], tokens: list[int], draft
     for c in children:
         x = tokens[c]
         q_x = 1.0 if draft_probs is None else float(draft_probs[c, x])
-        if float(torch.rand((), generator=generator)) * q_x < float(p[x]):
+        if float(torch.rand((), generator=generator, device=p.device)) * q_x < float(p[x]):
             return c, p
         if draft_probs is None:
             residual = p.clone()

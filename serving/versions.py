@@ -127,7 +127,7 @@ class DrafterVersions:
         drafter = load_drafter(
             drafter_dir, embed_tokens=self.target.model.model.embed_tokens, lm_head=self.target.model.lm_head,
             target_fingerprint=self.target.target_fingerprint, template_fingerprint=self.target.template_fingerprint,
-        )
+        ).to(self.runner.device)  # the target's device: the drafter reads its features and shares its embedding
         layer_ids = tuple(config["architecture"]["target_layer_ids"])
         if any(not 0 <= i < self.target.num_layers for i in layer_ids):
             raise InvalidDrafterError(f"{drafter_dir}: target_layer_ids {layer_ids} outside the target's "

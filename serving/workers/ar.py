@@ -17,7 +17,8 @@ def ar_step(runner: LlamaRunner, slots: list[int], anchors: list[int], params, g
     """One target row per request (its anchor), committed; returns (next token per request, its
     error if its logits were not finite, the runner's output). The AR worker's step, and a
     speculative worker's plain step."""
-    out = runner.forward(torch.tensor(anchors)[:, None], torch.tensor(slots), torch.ones(len(slots), dtype=torch.long))
+    out = runner.forward(torch.tensor(anchors, device=runner.device)[:, None], torch.tensor(slots, device="cpu"),
+                         torch.ones(len(slots), dtype=torch.long, device="cpu"))
     for slot in slots:
         runner.cache.commit(slot, 1)
     tokens, errors = sample_each(out.logits[:, 0], params, generators)
@@ -27,7 +28,7 @@ def ar_step(runner: LlamaRunner, slots: list[int], anchors: list[int], params, g
 def prefill_target(runner: LlamaRunner, slots: list[int], prompts: list[list[int]]) -> tuple[torch.Tensor, RunnerOutput]:
     """Run and commit the prompts in the target's KV (packed, ``LlamaRunner.prefill``); returns
     (last-row logits [B, V], the output: its ``hidden`` [B, T_max, D] right-padded)."""
-    out = runner.prefill(prompts, torch.tensor(slots))
+    out = runner.prefill(prompts, torch.tensor(slots, device="cpu"))
     for slot, prompt in zip(slots, prompts):
         runner.cache.commit(slot, len(prompt))
     return out.logits[:, 0], out

@@ -72,7 +72,7 @@ class DeferredRows:
         writes), ``tokens`` [n] (or None). Forgets whatever the slot held before."""
         self.release(slot)
         if values.shape[0]:
-            tokens = torch.zeros(values.shape[0], dtype=torch.long) if tokens is None else tokens
+            tokens = torch.zeros(values.shape[0], dtype=torch.long, device=values.device) if tokens is None else tokens
             self.prompts[slot] = (values.to(self.dtype), tokens)
 
     def full(self, slots: list[int]) -> bool:
@@ -113,12 +113,13 @@ class DeferredRows:
                     if first is None:
                         first = sources[id(pushed)] = total
                         values.append(pushed)
-                        tokens.append(torch.zeros(len(pushed), dtype=torch.long) if pushed_tokens is None else pushed_tokens)
+                        tokens.append(torch.zeros(len(pushed), dtype=torch.long, device=pushed.device)
+                                      if pushed_tokens is None else pushed_tokens)
                         total += len(pushed)
                     rows.append(first + b)
                 index.append(rows + rows[-1:] * (max(counts) - n))  # padding repeats the slot's last row
                 self.pushed[s] = []
-            index = torch.tensor(index)  # [n, T] into the concatenated rows
+            index = torch.tensor(index, device=values[0].device)  # [n, T] into the concatenated rows
             batches.append(Owed(held, torch.cat(values)[index].to(self.dtype), torch.cat(tokens)[index], counts))
         return batches
 

@@ -63,11 +63,12 @@ class DFlashWorker:
         self.verify_sizes = tuple(range(1, k + 1))
         self.runner, self.drafter, self.cfg = runner, drafter, cfg
         cache, dtype = runner.cache, drafter.fc.weight.dtype
+        self.device = runner.device
         self.deferred = DeferredRows(num_slots=cache.num_slots, width=drafter.fc.weight.shape[1], dtype=dtype)
         # a catch-up writes each slot's owed rows padded to the longest: room past max_len for the padding
         self.context = SlotKVCache(num_layers=cfg.num_layers, num_slots=cache.num_slots,
                                    max_len=cache.max_len + self.deferred.capacity, num_kv_heads=cfg.num_kv_heads,
-                                   head_dim=cfg.head_dim, dtype=dtype)
+                                   head_dim=cfg.head_dim, dtype=dtype, device=self.device)
         self.block_size = cfg.block_size
         self.phase_seconds = {"draft": 0.0, "verify": 0.0, "accept": 0.0, "commit": 0.0}
         self.steps = 0  # speculative rounds (plain steps are not timed)
@@ -85,12 +86,13 @@ class DFlashWorker:
 
     def _commit_context(self, slots: list[int], feats: torch.Tensor, rows: list[int]) -> None:
         """Project the features [B, T, L*D] of each request's first ``rows[b]`` rows into draft K/V."""
-        start = self.context.committed[torch.tensor(slots)]
-        positions = start[:, None] + torch.arange(feats.shape[1])
+        slot_t = torch.tensor(slots, device="cpu")
+        start = self.context.committed[slot_t]
+        positions = (start[:, None] + torch.arange(feats.shape[1], device="cpu")).to(self.device)
         with torch.inference_mode():
-            kv = self.drafter.context_kv(self.drafter.project_context(feats), positions)
+            kv = self.drafter.context_kv(self.drafter.project_context(feats.to(self.device)), positions)
         for layer, (k, v) in enumerate(kv):
-            self.context.write(layer, torch.tensor(slots), start, k, v)
+            self.context.write(layer, slot_t, start, k, v)
         for slot, r in zip(slots, rows):
             self.context.commit(slot, r)
 
@@ -115,13 +117,17 @@ class DFlashWorker:
         """The drafter's block [a, MASK × m] at positions n … n+m over each request's context rows
         < n; returns the final hidden states [B, len(rows), D] of block ``rows`` (DFlash drafts from
         rows 1 … k; a drafter on this backbone may read others), computed only for those rows."""
-        n = self.context.committed[torch.tensor(slots)]  # [B] anchor positions
+        slot_t = torch.tensor(slots, device="cpu")
+        n = self.context.committed[slot_t]  # [B] anchor positions (CPU)
         ctx_len = int(n.max())
-        index = self.context.index(torch.tensor(slots))
+        index = self.context.index(slot_t)
+        index = index if isinstance(index, slice) else index.to(self.device)
         ctx_kv = [self.context.read(layer, index, ctx_len) for layer in range(self.cfg.num_layers)]
-        block = self.drafter.block_inputs(torch.tensor(anchors)[:, None]).view(len(slots), self.block_size)
-        positions = n[:, None] + torch.arange(self.block_size)
-        valid = torch.arange(ctx_len)[None, :] < n[:, None]
+        block = self.drafter.block_inputs(torch.tensor(anchors, device=self.device)[:, None]).view(len(slots),
+                                                                                                  self.block_size)
+        n = n.to(self.device)
+        positions = n[:, None] + torch.arange(self.block_size, device=self.device)
+        valid = torch.arange(ctx_len, device=self.device)[None, :] < n[:, None]
         mask = block_attention_mask(n[:, None], valid, self.block_size, self.cfg.attention, self.cfg.sliding_window)
         return self.drafter.forward_block(block, positions, ctx_kv, mask, rows)
 
@@ -155,10 +161,10 @@ class DFlashWorker:
         owed = self.catch_up(slots)
         t0 = time.perf_counter()
         drafts, qs = self.propose(slots, anchors, params, generators, size)  # [B, k], per request [k, V] or None
-        verify_ids = torch.cat([torch.tensor(anchors)[:, None], drafts], dim=1)  # [B, k + 1]
+        verify_ids = torch.cat([torch.tensor(anchors, device=drafts.device)[:, None], drafts], dim=1)  # [B, k + 1]
         B, M = verify_ids.shape
         t1 = time.perf_counter()
-        out = self.runner.forward(verify_ids, torch.tensor(slots), torch.full((B,), M))
+        out = self.runner.forward(verify_ids, torch.tensor(slots, device="cpu"), torch.full((B,), M, device="cpu"))
         t2 = time.perf_counter()
         result = accept_chains(out.logits, drafts, params, qs, generators)
         t3 = time.perf_counter()

@@ -35,12 +35,14 @@ class DFlash2Worker(DFlashWorker):
         q [k, V] or None per request), q zero outside each position's K candidates."""
         hidden = self.block_hidden(slots, anchors, slice(1, k + 1))  # [B, k, D]
         unary = self.drafter.logits(hidden)  # [B, k, V | V_d]
-        _, ids, lattice = self.drafter.lattice(unary, hidden, torch.tensor(anchors))  # [B, k, K], [B, k, K, K]
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-        uniforms = torch.stack([torch.zeros(k) if p.greedy else torch.rand(k, generator=g)
+        device = self.device
+        _, ids, lattice = self.drafter.lattice(unary, hidden, torch.tensor(anchors, device=device))  # [B, k, K], [B, k, K, K]
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        uniforms = torch.stack([torch.zeros(k, device=device) if p.greedy else torch.rand(k, generator=g, device=device)
                                 for p, g in zip(params, generators)])  # [B, k]
         path, q_rows = selector_walk(lattice.float().contiguous(), temperature, uniforms)  # [B, k], [B, k, K]
         drafts = ids.gather(-1, path[..., None])[..., 0]  # [B, k] target ids
         V = self.cfg.vocab_size
-        qs = [None if p.greedy else torch.zeros(k, V).scatter_(-1, ids[b], q_rows[b]) for b, p in enumerate(params)]
+        qs = [None if p.greedy else torch.zeros(k, V, device=device).scatter_(-1, ids[b], q_rows[b])
+              for b, p in enumerate(params)]
         return drafts, qs

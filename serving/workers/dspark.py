@@ -63,14 +63,15 @@ class DSparkWorker(DFlashWorker):
         m = drafter.config.num_draft_tokens
         k = m if num_speculative_tokens is None else min(num_speculative_tokens, m)
         self.verify_sizes = tuple(range(1, k + 1))
-        self.confidence_sum = torch.zeros(m, dtype=torch.float64)  # [m] over drafted positions
-        self.confidence_count = torch.zeros(m, dtype=torch.float64)
-        self.survival = torch.ones(runner.cache.num_slots, k)  # [slots, k] each slot's latest predicted survival
+        # statistics and the chooser's survival history: CPU bookkeeping
+        self.confidence_sum = torch.zeros(m, dtype=torch.float64, device="cpu")  # [m] over drafted positions
+        self.confidence_count = torch.zeros(m, dtype=torch.float64, device="cpu")
+        self.survival = torch.ones(runner.cache.num_slots, k, device="cpu")  # [slots, k] each slot's latest predicted survival
         self.live: set[int] = set()  # slots prefilled and not released
 
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
         logits = super().prefill(slots, prompts)
-        self.survival[torch.tensor(slots)] = 1.0  # a new request: optimistic until it has drafted (seed §5.6.2)
+        self.survival[torch.tensor(slots, device="cpu")] = 1.0  # a new request: optimistic until it has drafted (seed §5.6.2)
         self.live.update(slots)
         return logits
 
@@ -99,7 +100,7 @@ class DSparkWorker(DFlashWorker):
             for b, p in enumerate(params):
                 if p.greedy:
                     index.append(logits[b].argmax(-1))
-                    qs.append(torch.zeros(logits.shape[-1]))  # unread: a greedy request has no q
+                    qs.append(logits.new_zeros(logits.shape[-1]))  # unread: a greedy request has no q
                 else:
                     q = process(logits[b], p)  # [V_d] the distribution the draft is drawn from
                     index.append(torch.multinomial(q, 1, generator=generators[b]).squeeze(-1))
@@ -117,11 +118,11 @@ class DSparkWorker(DFlashWorker):
     @torch.inference_mode()
     def draft_block(self, slots: list[int], anchors: list[int], params, generators, k: int):
         """``propose`` plus the calibrated confidences [B, k] of the drafts."""
-        anchor_ids = torch.tensor(anchors)
+        anchor_ids = torch.tensor(anchors, device=self.device)
         hidden = self.block_hidden(slots, anchors, slice(0, k))  # [B, k, D]: anchor-predict, row j drafts d_{j+1}
-        greedy = torch.tensor([p.greedy for p in params])  # [B] each request's calibration table (its mode)
+        greedy = torch.tensor([p.greedy for p in params], device=self.device)  # [B] each request's calibration table (its mode)
         drafts, q, confidence = self.drafter.draft(hidden, anchor_ids, self._picker(params, generators), greedy)
-        self.confidence_sum[:k] += confidence.sum(0).double()
+        self.confidence_sum[:k] += confidence.sum(0).double().cpu()
         self.confidence_count[:k] += len(slots)
         qs = [None if p.greedy else self.drafter.to_target_distribution(q[b]) for b, p in enumerate(params)]
         return drafts, qs, confidence.float()
@@ -140,7 +141,7 @@ class DSparkWorker(DFlashWorker):
         drafts, qs, confidence = self.draft_block(slots, anchors, params, generators, k)  # [B, k], [B, k]
         survival = confidence.cumprod(-1)  # [B, k]
         num_drafts = (schedule_verify_lens(survival, size) - 1).tolist()  # [B] ℓ_r, prefixes
-        self.survival[torch.tensor(slots)] = survival  # published for the next rounds' budgets, not this one's
+        self.survival[torch.tensor(slots, device="cpu")] = survival.cpu()  # published for the next rounds' budgets, not this one's
         t1 = time.perf_counter()
         out = self._verify(slots, anchors, drafts, num_drafts)
         t2 = time.perf_counter()
@@ -152,8 +153,10 @@ class DSparkWorker(DFlashWorker):
     def _verify(self, slots: list[int], anchors: list[int], drafts: torch.Tensor, num_drafts: list[int]):
         """The target on ``[a, d1 … d_ℓ]`` per request: logits [B, 1 + max ℓ, V] and hidden, rows past
         each request's ℓ + 1 padding. Equal lengths run the batched forward, others run packed."""
-        ids = torch.cat([torch.tensor(anchors)[:, None], drafts[:, : max(num_drafts)]], dim=1)  # [B, 1 + max ℓ]
+        ids = torch.cat([torch.tensor(anchors, device=drafts.device)[:, None], drafts[:, : max(num_drafts)]],
+                        dim=1)  # [B, 1 + max ℓ]
+        slot_t = torch.tensor(slots, device="cpu")
         if len(set(num_drafts)) == 1:
-            return self.runner.forward(ids, torch.tensor(slots), torch.full((len(slots),), ids.shape[1]))
+            return self.runner.forward(ids, slot_t, torch.full((len(slots),), ids.shape[1], device="cpu"))
         rows = [ids[b, : n + 1].tolist() for b, n in enumerate(num_drafts)]
-        return self.runner.prefill(rows, torch.tensor(slots), every_row=True)
+        return self.runner.prefill(rows, slot_t, every_row=True)

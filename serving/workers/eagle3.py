@@ -66,15 +66,16 @@ class Eagle3Worker:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
         self.verify_sizes = tuple(range(1, k + 1))  # chain lengths a round may verify
         self.runner, self.drafter, self.cfg = runner, drafter, cfg
-        slots, dtype = runner.cache.num_slots, drafter.fc.weight.dtype
+        slots, dtype, self.device = runner.cache.num_slots, drafter.fc.weight.dtype, runner.device
         self.deferred = DeferredRows(num_slots=slots, width=drafter.fc.weight.shape[1], dtype=dtype)
         # scratch past max_len: the round's own rows, and a catch-up's padding to the longest owed run
         scratch = max(self._scratch_rows(), self.deferred.capacity)
         self.cache = SlotKVCache(num_layers=cfg.num_layers, num_slots=slots, max_len=runner.cache.max_len + scratch,
-                                 num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype)
-        self.state = torch.zeros(slots, cfg.hidden_size, dtype=dtype)  # [slots, D] output of the last row
-        self.pending = torch.zeros(slots, drafter.fc.weight.shape[1], dtype=dtype)  # [slots, L·D] features of the row awaiting its token
-        self.has_pending = torch.zeros(slots, dtype=torch.bool)
+                                 num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype, device=self.device)
+        self.state = torch.zeros(slots, cfg.hidden_size, dtype=dtype, device=self.device)  # [slots, D] output of the last row
+        # [slots, L·D] features of the row awaiting its token
+        self.pending = torch.zeros(slots, drafter.fc.weight.shape[1], dtype=dtype, device=self.device)
+        self.has_pending = torch.zeros(slots, dtype=torch.bool, device="cpu")  # bookkeeping
         self.phase_seconds = {"draft": 0.0, "verify": 0.0, "accept": 0.0, "commit": 0.0}
         self.steps = 0
 
@@ -108,10 +109,11 @@ class Eagle3Worker:
         own earlier rows (causal; padded rows past a request's real ones only see real rows before
         them and are never read as context). Returns output states [B, T, D]."""
         B, T = tokens.shape
-        C = int(start.max())
-        mask = torch.cat([(torch.arange(C)[None, :] < start[:, None])[:, None, :].expand(B, T, C),
-                          torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T)], dim=-1)  # [B, T, C + T]
-        return self._run_rows(slots, start, state, tokens, start[:, None] + torch.arange(T) + 1, mask)
+        C, device = int(start.max()), self.device
+        begin = start.to(device)
+        mask = torch.cat([(torch.arange(C, device=device)[None, :] < begin[:, None])[:, None, :].expand(B, T, C),
+                          torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(B, T, T)], dim=-1)  # [B, T, C + T]
+        return self._run_rows(slots, start, state, tokens, begin[:, None] + torch.arange(T, device=device) + 1, mask)
 
     @torch.inference_mode()
     def _run_rows(self, slots: torch.Tensor, start: torch.Tensor, state: torch.Tensor, tokens: torch.Tensor,
@@ -121,6 +123,7 @@ class Eagle3Worker:
         Returns output states [B, T, D]."""
         C = mask.shape[-1] - tokens.shape[1]
         index = self.cache.index(slots)
+        index = index if isinstance(index, slice) else index.to(self.device)
         past = [self.cache.read(layer, index, C) for layer in range(self.cfg.num_layers)]  # [B, Hkv, C, hd]
         out, new_kv = self.drafter.forward_cached(state, tokens, positions, past, mask)
         for layer, (k, v) in enumerate(new_kv):
@@ -132,8 +135,8 @@ class Eagle3Worker:
         tokens, [B, T, D] / [B, T]) after its committed ones; ``state`` becomes the last one's output."""
         if not any(rows):  # every request failed (no token): nothing is known to extend with
             return
-        slot_t = torch.tensor(slots)
-        out = self._rows(slot_t, self.cache.committed[slot_t], state, tokens)
+        slot_t = torch.tensor(slots, device="cpu")
+        out = self._rows(slot_t, self.cache.committed[slot_t], state, tokens.to(self.device))
         for b, (slot, n) in enumerate(zip(slots, rows)):
             if n:
                 self.cache.commit(slot, n)
@@ -147,7 +150,7 @@ class Eagle3Worker:
             return 0.0
         chosen = [slots[b] for b in waiting]
         owed = self.catch_up(chosen) if self.deferred.full(chosen) else 0.0
-        self.deferred.push(chosen, self.pending[chosen], torch.tensor([anchors[b] for b in waiting]))
+        self.deferred.push(chosen, self.pending[chosen], torch.tensor([anchors[b] for b in waiting], device=self.device))
         self.has_pending[chosen] = False
         return owed
 
@@ -170,7 +173,7 @@ class Eagle3Worker:
         features = prompt_features(out, self.cfg.target_layer_ids, [len(p) for p in prompts])
         for slot, prompt, rows in zip(slots, prompts, features):
             self.release(slot)
-            self.deferred.owe_prompt(slot, rows[:-1], torch.tensor(prompt[1:], dtype=torch.long))
+            self.deferred.owe_prompt(slot, rows[:-1], torch.tensor(prompt[1:], dtype=torch.long, device=self.device))
             self.pending[slot] = rows[-1]
             self.has_pending[slot] = True
         return logits
@@ -180,9 +183,9 @@ class Eagle3Worker:
         """Draft a chain of k tokens per request from its state; returns (drafts [B, k] target ids,
         q [k, V] per request or None when greedy: the distribution each draft was drawn from,
         over the target's vocabulary, zero outside the draft vocabulary)."""
-        slot_t = torch.tensor(slots)
+        slot_t = torch.tensor(slots, device="cpu")
         committed = self.cache.committed[slot_t]
-        state = self.state[slot_t]  # [B, D]
+        state = self.state[slot_t.to(self.device)]  # [B, D]
         drafts, qs = [], [[] for _ in slots]
         for j in range(k):
             logits = self.drafter.compute_logits(state)  # [B, V_d]
@@ -214,10 +217,10 @@ class Eagle3Worker:
         owed += self.catch_up(slots)
         t0 = time.perf_counter()
         drafts, qs = self.propose(slots, params, generators, size)
-        verify_ids = torch.cat([torch.tensor(anchors)[:, None], drafts], dim=1)  # [B, k + 1]
+        verify_ids = torch.cat([torch.tensor(anchors, device=drafts.device)[:, None], drafts], dim=1)  # [B, k + 1]
         B, M = verify_ids.shape
         t1 = time.perf_counter()
-        out = self.runner.forward(verify_ids, torch.tensor(slots), torch.full((B,), M))
+        out = self.runner.forward(verify_ids, torch.tensor(slots, device="cpu"), torch.full((B,), M, device="cpu"))
         t2 = time.perf_counter()
         result = accept_chains(out.logits, drafts, params, qs, generators)
         t3 = time.perf_counter()
@@ -235,7 +238,7 @@ class Eagle3Worker:
         """Draft extend: the target rows just committed (``features`` [B, T, L·D] of verify rows
         ``[a, d1 … dr]`` first), each paired with the token that follows it — the emitted tokens
         ``[d1 … dr, x*]``."""
-        tokens, _ = pad_rows([t or [0] for t in emitted])
+        tokens, _ = pad_rows([t or [0] for t in emitted])  # [B, T] (CPU)
         rows = [len(t) for t in emitted]
         with torch.inference_mode():
             state = self.drafter.fuse(features[:, : tokens.shape[1]])
@@ -250,5 +253,5 @@ class Eagle3Worker:
         ok = [b for b, t in enumerate(tokens) if t]  # a failed request has no next token: nothing known
         if ok:
             self.deferred.push([slots[b] for b in ok], self._features(out)[ok, 0],
-                               torch.tensor([tokens[b][0] for b in ok]))
+                               torch.tensor([tokens[b][0] for b in ok], device=self.device))
         return StepOutput.plain(tokens, errors, deferred_seconds=owed)

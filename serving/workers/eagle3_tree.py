@@ -83,22 +83,23 @@ class Eagle3TreeWorker(Eagle3Worker):
         """Expand the tree for a budget of ``size`` (module docstring); returns every generated
         node's (target token, parent node or −1, cumulative draft log-probability), each [B, N],
         in generation order: depth by depth, a depth's nodes by frontier row then child rank."""
-        w, depth = min(self.top_k, size), min(self.max_depth, size)
-        slot_t = torch.tensor(slots)
-        committed = self.cache.committed[slot_t]  # [B]
+        w, depth, device = min(self.top_k, size), min(self.max_depth, size), self.device
+        slot_t = torch.tensor(slots, device="cpu")
+        committed = self.cache.committed[slot_t]  # [B] (CPU)
         B, D = len(slots), self.state.shape[-1]
-        scores, tokens = self._children(self.drafter.compute_logits(self.state[slot_t])[:, None], params, w)
-        nodes = [(tokens.view(B, w), torch.full((B, w), -1), scores.view(B, w))]  # per depth: [B, n_e] each
-        first, pick = 0, torch.arange(w).expand(B, w)  # the last depth's first node; the frontier in it [B, w]
-        state = self.state[slot_t][:, None].expand(B, w, D)  # [B, w, D] the frontier's parents' output states
-        ancestors = torch.zeros(B, w, 0, dtype=torch.bool)  # [B, w, S]: scratch rows of each frontier node's ancestors
+        state = self.state[slot_t.to(device)]  # [B, D]
+        scores, tokens = self._children(self.drafter.compute_logits(state)[:, None], params, w)
+        nodes = [(tokens.view(B, w), torch.full((B, w), -1, device=device), scores.view(B, w))]  # per depth: [B, n_e] each
+        first, pick = 0, torch.arange(w, device=device).expand(B, w)  # the last depth's first node; the frontier in it [B, w]
+        state = state[:, None].expand(B, w, D)  # [B, w, D] the frontier's parents' output states
+        ancestors = torch.zeros(B, w, 0, dtype=torch.bool, device=device)  # [B, w, S]: scratch rows of each frontier node's ancestors
         for e in range(1, depth):  # the depth-e frontier runs its drafter rows; its children are at depth e + 1
             S = (e - 1) * w
             mask = torch.cat([tree_attention_mask(committed, ancestors, int(committed.max()) + S),
-                              torch.eye(w, dtype=torch.bool).expand(B, w, w)], dim=-1)  # [B, w, C + w]
+                              torch.eye(w, dtype=torch.bool, device=device).expand(B, w, w)], dim=-1)  # [B, w, C + w]
             last_tokens, _, last_scores = nodes[-1]
             out = self._run_rows(slot_t, committed + S, state, last_tokens.gather(1, pick),
-                                 (committed + e)[:, None].expand(B, w), mask)  # [B, w, D]
+                                 (committed.to(device) + e)[:, None].expand(B, w), mask)  # [B, w, D]
             scores, tokens = self._children(self.drafter.compute_logits(out), params, w)  # [B, w, w]
             scores = last_scores.gather(1, pick)[:, :, None] + scores
             parents = (first + pick)[:, :, None].expand(B, w, w)
@@ -128,20 +129,22 @@ class Eagle3TreeWorker(Eagle3Worker):
             raise ValueError(f"size {size} is not a node budget of this worker {self.verify_sizes} (or 0: a plain step)")
         owed += self.catch_up(slots)
         t0 = time.perf_counter()
-        tree = select_tree(torch.tensor(anchors), *self.draft_tree(slots, params, size), size)
+        tree = select_tree(torch.tensor(anchors, device=self.device), *self.draft_tree(slots, params, size), size)
         layout = tree_layout(tree.parents)
         B, T = tree.tokens.shape
         t1 = time.perf_counter()
-        out = self.runner.forward(tree.tokens, torch.tensor(slots), torch.full((B,), T), tree=layout)
+        out = self.runner.forward(tree.tokens, torch.tensor(slots, device="cpu"), torch.full((B,), T, device="cpu"),
+                                  tree=layout)
         t2 = time.perf_counter()
         result = accept_trees(out.logits, tree, params, generators)
         t3 = time.perf_counter()
         for slot, path in zip(slots, result.paths):
             if path:
-                self.runner.cache.compact(slot, torch.tensor(path))
+                self.runner.cache.compact(slot, torch.tensor(path, device="cpu"))
                 self.runner.cache.commit(slot, len(path))
         index, _ = pad_rows([path or [0] for path in result.paths])  # [B, r_max + 1] the path's verify rows
         features = self._features(out)  # [B, T, L·D]
+        index = index.to(features.device)
         self._extend_emitted(slots, features.gather(1, index[..., None].expand(-1, -1, features.shape[-1])),
                              result.tokens)
         t4 = time.perf_counter()

@@ -69,3 +69,24 @@ def test_embedded_smollm2_is_dequantised_and_cached(smollm2):
         out = smollm2.model.generate(**ids, max_new_tokens=12, do_sample=False)
     answer = smollm2.tokenizer.decode(out[0, ids["input_ids"].shape[1]:])
     assert "Paris" in answer
+
+
+@pytest.mark.parametrize("family", ["gpt2", "sliding-qwen2"])
+def test_unsupported_targets_are_refused_at_load_naming_the_field(tmp_path, family):
+    """A target specray would compute wrongly never loads: the config is checked before the weights."""
+    from transformers import AutoModelForCausalLM, GPT2Config, Qwen2Config
+
+    from specray.drafters.target_spec import UnsupportedTargetError
+
+    tokenizer = target_mod.build_debug_tokenizer()
+    if family == "gpt2":
+        config, match = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2), r"model_type='gpt2'"
+    else:
+        config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True, sliding_window=16,
+                             max_window_layers=1)
+        match = r"layer_types=\['sliding_attention'\] \(use_sliding_window=True\)"
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedTargetError, match=match):
+        load_target(str(tmp_path))

@@ -9,6 +9,7 @@ from specray.drafters import ALGORITHMS, DRAFTERS, common, get_drafter
 from specray.drafters.common import (FrozenLinear, apply_rope, apply_rope_table, d2t_offsets, draft_to_target,
                                      pick_kernels, rope_table, small_m_linear, t2d_mask, target_to_draft, to_target_distribution,
                                      weight_major_linear)
+from specray.drafters.rope import RopeSpec, rope_frequencies
 from specray.kernels import decode_cpu
 
 VOCAB = torch.tensor([2, 5, 9])  # a draft vocabulary over V = 12 target ids
@@ -32,15 +33,60 @@ def test_peer_encoding_of_the_draft_vocabulary():
     assert t2d.dtype == torch.bool and t2d.nonzero().flatten().tolist() == [2, 5, 9]
 
 
-def test_rope_table_rotates_as_apply_rope():
-    torch.manual_seed(0)
-    H, T, hd = 3, 6, 8
-    x = torch.randn(H, T, hd)
-    positions = torch.tensor([0, 1, 5, 17, 40, 99])
-    cos, sin = rope_table(128, hd, 10000.0, torch.float32)
-    table = apply_rope_table(x.transpose(0, 1), cos[positions][:, None], sin[positions][:, None])  # [T, H, hd]
-    torch.testing.assert_close(table.transpose(0, 1), apply_rope(x, positions, 10000.0), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(apply_rope(x, torch.zeros(T), 10000.0), x)  # position 0 is the identity
+ROPE_CASES = {  # rope_type -> the rope_parameters of a test (theta, factors small enough to bite at 4k)
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 1024,
+             "beta_fast": 32.0, "beta_slow": 1.0},
+}
+
+
+@pytest.mark.parametrize("rope_type", sorted(ROPE_CASES))
+def test_rope_table_equals_transformers_rotary_embedding(rope_type):
+    """``rope_table`` (the runner's) and ``apply_rope`` (the drafters') rotate as transformers' own
+    rotary module does, for every RoPE type, at positions up to 4k: the same cos and sin (yarn's
+    attention scaling included), and x * cos + rotate_half(x) * sin."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    hd, positions = 32, torch.arange(4096)
+    config = LlamaConfig(hidden_size=128, num_attention_heads=4, head_dim=hd, max_position_embeddings=8192,
+                         rope_parameters=dict(ROPE_CASES[rope_type]))
+    spec = RopeSpec(hd, dict(config.rope_parameters), 8192)
+    hf = LlamaRotaryEmbedding(config)
+    x = torch.randn(1, 2, len(positions), hd, generator=torch.Generator().manual_seed(0))
+    cos_hf, sin_hf = hf(x, positions[None])  # [1, T, hd]
+    cos, sin = rope_table(len(positions), spec, torch.float32)
+    assert torch.equal(cos, cos_hf[0]) and torch.equal(sin[:, hd // 2 :], sin_hf[0, :, hd // 2 :])
+    assert torch.equal(sin[:, : hd // 2], -sin_hf[0, :, : hd // 2])  # sign-folded
+    want, _ = apply_rotary_pos_emb(x, x, cos_hf, sin_hf)
+    inv_freq, scaling = rope_frequencies(spec)
+    assert scaling == hf.attention_scaling and torch.equal(inv_freq, hf.inv_freq)
+    torch.testing.assert_close(apply_rope(x, positions, inv_freq, scaling), want, rtol=0, atol=1e-6)
+    table = apply_rope_table(x[0].transpose(0, 1), cos[:, None], sin[:, None])  # [T, H, hd]
+    torch.testing.assert_close(table.transpose(0, 1)[None], want, rtol=0, atol=1e-6)
+    if rope_type != "default":  # the scaling matters at these positions: plain RoPE is another rotation
+        plain, _ = rope_table(len(positions), RopeSpec.of(hd, ROPE_CASES[rope_type]["rope_theta"]), torch.float32)
+        assert (plain - cos).abs().max() > 0.1 if rope_type != "dynamic" else torch.equal(plain, cos)
+
+
+def test_rope_position_zero_is_the_identity():
+    x = torch.randn(3, 6, 8)
+    inv_freq, scaling = rope_frequencies(RopeSpec.of(8, 10000.0))
+    torch.testing.assert_close(apply_rope(x, torch.zeros(6), inv_freq, scaling), x)
+
+
+@pytest.mark.parametrize("parameters, match", [
+    ({"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4, "long_factor": [1.0] * 4,
+      "original_max_position_embeddings": 64}, "rope_type='longrope'"),
+    ({"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+])
+def test_rope_types_not_computed_are_refused(parameters, match):
+    with pytest.raises(ValueError, match=match):
+        rope_frequencies(RopeSpec(8, parameters, 128))
 
 
 @pytest.mark.parametrize("rows", [0, 1, 3, 65])  # 0: a TTT step of an evaluation block with no rows left

@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from specray.drafters.common import rope_table
+from specray.drafters.rope import RopeSpec, rope_table
 from specray.kernels import decode_cpu
 
 needs_kernels = pytest.mark.skipif(not decode_cpu.available(), reason=f"{decode_cpu.unavailable_reason()}")
@@ -90,7 +90,7 @@ def test_exp_holds_over_the_float_range():
 def _attention_case(B, T, H, Hkv, hd, starts, num_new, seed):
     g = torch.Generator().manual_seed(seed)
     max_len, num_slots = max(starts) + T + 3, B + 2
-    cos, sin = rope_table(max_len, hd, 10000.0, torch.float32)
+    cos, sin = rope_table(max_len, RopeSpec.of(hd, 10000.0), torch.float32)
     slots = torch.randperm(num_slots, generator=g)[:B]
     start = torch.tensor(starts)
     positions = (start[:, None] + torch.arange(T)).view(-1)
@@ -132,7 +132,7 @@ def test_packed_prefill_attention_matches_the_reference(lengths, starts):
     B, H, Hkv, hd, R = len(lengths), 6, 2, 16, sum(lengths)
     g = torch.Generator().manual_seed(R)
     max_len, num_slots = max(s + n for s, n in zip(starts, lengths)) + 2, B + 1
-    cos, sin = rope_table(max_len, hd, 10000.0, torch.float32)
+    cos, sin = rope_table(max_len, RopeSpec.of(hd, 10000.0), torch.float32)
     positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])
     case = dict(qkv=torch.randn(R, (H + 2 * Hkv) * hd, generator=g), B=B, lengths=torch.tensor(lengths),
                 num_heads=H, num_kv_heads=Hkv, cos=cos[positions].contiguous(), sin=sin[positions].contiguous(),
