@@ -10,65 +10,25 @@ from dataclasses import replace
 
 import pytest
 import torch
+from peer_parity import (LAYER_IDS, TOLERANCE, ascending, build, features, fix_anchors, peer_export, peer_model,
+                         randomise, save_export)
 from safetensors.torch import load_file
-from speculators.models import dflash as speculators_dflash
+from speculators.models.dflash import DFlashDraftModel
 from speculators.models.eagle3 import Eagle3DraftModel
 
-from specray.capture.contract import build_contract
 from specray.drafters import dflash, eagle3
-from specray.drafters.format import InvalidDrafterError, save_drafter
+from specray.drafters.format import InvalidDrafterError
 from specray.drafters.peer import PeerFormatError, ascending_fc, peer_layer_ids, write_peer_export
 from specray.pipeline.cli import main
-
-LAYER_IDS = (5, 1, 3)  # not ascending on purpose: the peer's fc takes its inputs ascending
-TOLERANCE = 1e-4
-
-
-def _randomise(model):
-    """Weights large enough that the logits spread over several units (a 1e-4 match means something)."""
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("block_key_bias"):
-                continue
-            p.normal_(1.0, 0.2) if p.dim() == 1 else p.normal_(0.0, 0.2)
-    return model
-
-
-def _export(tmp_path, target, model, vocab_size=None):
-    if vocab_size is not None:
-        model.set_draft_vocab(torch.randperm(target.vocab_size, generator=torch.Generator().manual_seed(2))[:vocab_size])
-    contract = build_contract(model.algorithm, target_fingerprint=target.target_fingerprint,
-                              template_fingerprint=target.template_fingerprint, num_target_layers=target.num_layers,
-                              hidden_size=target.hidden_size, layer_ids=model.config.target_layer_ids, dtype="float32")
-    return save_drafter(tmp_path / "export", model, contract=json.loads(contract.to_json()),
-                        provenance={"run": "random", "target": "debug"})
 
 
 def _dflash(target, **overrides):
     cfg = replace(dflash.debug_config(target, LAYER_IDS), **{"block_key_bias": 0.0, **overrides})
-    model = dflash.DFlashDrafter(cfg, embed_tokens=target.model.get_input_embeddings(),
-                                 lm_head=target.model.get_output_embeddings())
-    return _randomise(model).eval()
+    return randomise(build(dflash.DFlashDrafter, cfg, target))
 
 
 def _eagle3(target, **overrides):
-    cfg = eagle3.debug_config(target, LAYER_IDS, **overrides)
-    model = eagle3.Eagle3Drafter(cfg, embed_tokens=target.model.get_input_embeddings(),
-                                 lm_head=target.model.get_output_embeddings())
-    return _randomise(model).eval()
-
-
-def _ascending_features(hidden):
-    """Our features [.., L·D] in the contract's order -> the peer's ascending layer order."""
-    blocks = hidden.chunk(len(LAYER_IDS), dim=-1)
-    return torch.cat([blocks[i] for i in sorted(range(len(LAYER_IDS)), key=LAYER_IDS.__getitem__)], dim=-1)
-
-
-def _peer_model(model_cls, path):
-    config = model_cls.config_class.from_pretrained(path)
-    config.transformer_layer_config._attn_implementation = "eager"
-    return model_cls.from_pretrained(path, config=config).eval()
+    return randomise(build(eagle3.Eagle3Drafter, eagle3.debug_config(target, LAYER_IDS, **overrides), target))
 
 
 def test_layer_ids_count_inputs_ascending_and_fc_follows():
@@ -80,19 +40,16 @@ def test_layer_ids_count_inputs_ascending_and_fc_follows():
 @pytest.mark.parametrize("vocab_size", [40, None], ids=["draft-vocab", "full-vocab"])
 def test_dflash_speculators_parity(debug_target, tmp_path, monkeypatch, vocab_size):
     model = _dflash(debug_target, draft_vocab_size=vocab_size)
-    out = write_peer_export(_export(tmp_path, debug_target, model, vocab_size), tmp_path / "peer", target=debug_target)
-    peer = _peer_model(speculators_dflash.DFlashDraftModel, out)
+    out = peer_export(tmp_path, debug_target, model, vocab_size)
+    peer = peer_model(DFlashDraftModel, out)
 
     S, B, anchors = 24, model.config.block_size, torch.tensor([3, 9, 15])
-    g = torch.Generator().manual_seed(1)
-    hidden = torch.randn(1, S, len(LAYER_IDS) * debug_target.hidden_size, generator=g)
-    ids = torch.randint(0, debug_target.vocab_size, (1, S), generator=g)
+    hidden, ids, _ = features(debug_target, S)
+    fix_anchors(monkeypatch, anchors)
     with torch.no_grad():
         ours = model(hidden, torch.ones(1, S, dtype=torch.bool), ids[:, anchors], anchors[None])  # [1, N, B-1, V_d]
-        monkeypatch.setattr(speculators_dflash.core, "select_anchors",
-                            lambda loss_mask, n, block: (anchors, torch.ones(n, dtype=torch.bool)))
         _, logits, *_ = peer._backbone_forward(
-            _ascending_features(hidden), ids, torch.ones(1, S), torch.randn(1, S, debug_target.hidden_size),
+            ascending(hidden), ids, torch.ones(1, S), torch.randn(1, S, debug_target.hidden_size),
             torch.zeros(1, S, dtype=torch.long), max_anchors=len(anchors))  # logits [1, N·B, V_d]
     theirs = logits.view(1, len(anchors), B, -1)[:, :, 1:]  # the anchor row drafts nothing
     assert ours.shape == theirs.shape and ours.std() > 0.5
@@ -104,25 +61,23 @@ def test_dflash_speculators_parity(debug_target, tmp_path, monkeypatch, vocab_si
 def test_eagle3_speculators_parity(debug_target, tmp_path, vocab_size, norm_before_residual, num_layers):
     model = _eagle3(debug_target, draft_vocab_size=vocab_size, norm_before_residual=norm_before_residual,
                     num_layers=num_layers)
-    out = write_peer_export(_export(tmp_path, debug_target, model, vocab_size), tmp_path / "peer", target=debug_target)
+    out = peer_export(tmp_path, debug_target, model, vocab_size)
     config = json.loads((out / "config.json").read_text())
     assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 6]
     assert config["norm_before_residual"] is norm_before_residual
     tensors = load_file(out / "model.safetensors")  # the peer reads the target's embedding and head from here
     assert torch.equal(tensors["embed_tokens.weight"], debug_target.model.get_input_embeddings().weight)
     assert tensors["lm_head.weight"].shape[0] == (vocab_size or debug_target.vocab_size)
-    peer = _peer_model(Eagle3DraftModel, out)
+    peer = peer_model(Eagle3DraftModel, out)
 
     S, steps = 12, 3  # three TTT steps: the later ones are fed the drafter's own states
-    g = torch.Generator().manual_seed(1)
-    hidden = torch.randn(1, S, len(LAYER_IDS) * debug_target.hidden_size, generator=g)
-    ids = torch.randint(0, debug_target.vocab_size, (1, S), generator=g)
+    hidden, ids, _ = features(debug_target, S)
     with torch.no_grad():
         ours = model(hidden, ids, torch.ones(steps, 1, S, dtype=torch.bool))  # per step [S, V_d]
         theirs = []  # per step [1, S, V_d]: the peer returns draft tokens; its LM head's outputs are the logits
         hook = peer.lm_head.register_forward_hook(lambda module, args, output: theirs.append(output))
         # row t of the peer pairs state t with token t (its data is shifted): ours reads x_{t+1} there
-        peer(_ascending_features(hidden), torch.cat([ids[:, 1:], ids.new_zeros(1, 1)], dim=1),
+        peer(ascending(hidden), torch.cat([ids[:, 1:], ids.new_zeros(1, 1)], dim=1),
              torch.zeros(1, S, dtype=torch.long), ttt_steps=steps)
         hook.remove()
     assert len(theirs) == steps
@@ -133,7 +88,7 @@ def test_eagle3_speculators_parity(debug_target, tmp_path, vocab_size, norm_befo
 
 def test_speculators_config_and_provenance(debug_target, tmp_path):
     model = _dflash(debug_target, draft_vocab_size=40)
-    export = _export(tmp_path, debug_target, model, 40)
+    export = save_export(tmp_path, debug_target, model, 40)
     out = write_peer_export(export, tmp_path / "peer", target=debug_target)
     config = json.loads((out / "config.json").read_text())
     assert config["speculators_model_type"] == "dflash"
@@ -161,27 +116,27 @@ def test_speculators_config_and_provenance(debug_target, tmp_path):
 def test_refuses_block_key_bias(debug_target, tmp_path):
     model = _dflash(debug_target, block_key_bias=4.0)
     with pytest.raises(PeerFormatError, match=r"drafter\.block_key_bias.*block_key_bias=0"):
-        write_peer_export(_export(tmp_path, debug_target, model), tmp_path / "peer", target=debug_target)
+        peer_export(tmp_path, debug_target, model)
     assert not (tmp_path / "peer").exists()
 
 
 def test_refuses_sliding_attention(debug_target, tmp_path):
     model = _dflash(debug_target, attention="sliding", sliding_window=8)
     with pytest.raises(PeerFormatError, match=r"drafter\.attention=sliding.*attention=full"):
-        write_peer_export(_export(tmp_path, debug_target, model), tmp_path / "peer", target=debug_target)
+        peer_export(tmp_path, debug_target, model)
 
 
 def test_refuses_another_target(debug_target, tmp_path):
-    export = _export(tmp_path, debug_target, _dflash(debug_target))
+    export = save_export(tmp_path, debug_target, _dflash(debug_target))
     with pytest.raises(InvalidDrafterError, match="target_fingerprint"):
         write_peer_export(export, tmp_path / "peer", target="debug:1")
 
 
 def test_cli_export_speculators(debug_target, tmp_path, capsys):
-    export = _export(tmp_path, debug_target, _dflash(debug_target))  # export.json names the target: debug
+    export = save_export(tmp_path, debug_target, _dflash(debug_target))  # export.json names the target: debug
     assert main(["export", str(export), "--format", "speculators"]) == 0
     out = tmp_path / "export-speculators"
     assert json.loads((out / "config.json").read_text())["speculators_model_type"] == "dflash"
-    biased = _export(tmp_path / "biased", debug_target, _dflash(debug_target, block_key_bias=4.0))
+    biased = save_export(tmp_path / "biased", debug_target, _dflash(debug_target, block_key_bias=4.0))
     assert main(["export", str(biased), "--format", "speculators"]) == 2
     assert "drafter.block_key_bias" in capsys.readouterr().err

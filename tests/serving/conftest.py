@@ -1,4 +1,5 @@
-"""Serving fixtures: untrained DFlash drafters for the debug target, exported like trained ones."""
+"""Serving fixtures: untrained DFlash drafters for the debug target, exported like trained ones, and
+one intra-op thread for tests of many tiny forwards."""
 
 import json
 
@@ -32,3 +33,13 @@ def export_drafter(debug_target, tmp_path_factory):
     root = tmp_path_factory.mktemp("drafters")
     count = iter(range(1_000_000))
     return lambda **kwargs: _export_random_drafter(debug_target, root / f"d{next(count)}", **kwargs)
+
+
+@pytest.fixture
+def one_thread():
+    """Many tiny forwards (the chi-square harness runs 1,024): one intra-op thread keeps them from
+    spinning on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -4,13 +4,13 @@ worker drafts (greedy); a sampled round's q is the walked selector rows scattere
 the selector keep the target's distribution (chi-square). Greedy == transformers and the caches after
 rejections are the conformance suite's."""
 
-import pytest
 import torch
+from lossless_chi2 import CHI2_8_P001, accepted_of, candidate_vocab, chi_square, exact_two_tokens, sample_two_tokens
 
 from specray.drafters.dflash import DFlashConfig, DFlashDrafter
 from specray.drafters.dflash2 import DFlash2Config, DFlash2Drafter
 from specray.serving.runner import LlamaRunner
-from specray.serving.sampling import SamplingParams, sample_next
+from specray.serving.sampling import SamplingParams
 from specray.serving.workers.dflash import DFlashWorker
 from specray.serving.workers.dflash2 import DFlash2Worker
 
@@ -64,19 +64,6 @@ def test_sampled_q_is_the_walked_rows_scattered_to_the_vocabulary(debug_target):
     assert bool((q.gather(-1, drafts[0][:, None]) > 0).all())
 
 
-@pytest.fixture
-def one_thread():
-    """1,024 tiny forwards: one intra-op thread keeps them from spinning on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-# 9 cells, 8 degrees of freedom: p = 0.001.
-CHI2_8_P001 = 26.1
-
-
 def test_sampled_rounds_through_the_selector_keep_the_targets_distribution(debug_target, one_thread):
     """Two tokens per request at temperature 1, top-k 3: the first from the prefill, the second from a
     round of 2 drafts walked through a reranking selector (K = 8 of an 11-token draft vocabulary); their
@@ -84,35 +71,12 @@ def test_sampled_rounds_through_the_selector_keep_the_targets_distribution(debug
     candidates instead of the walked rows gives chi2 > 100 here."""
     prompt = debug_target.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
                                                         tokenize=True, return_dict=True)["input_ids"]
-    params = SamplingParams(temperature=1.0, top_k=3)
-    with torch.inference_mode():
-        first = torch.topk(debug_target.model(torch.tensor([prompt])).logits[0, -1], 3)
-        exact = {}
-        for t1, w1 in zip(first.indices.tolist(), first.values.softmax(-1).tolist()):
-            second = torch.topk(debug_target.model(torch.tensor([prompt + [t1]])).logits[0, -1], 3)
-            for t2, w2 in zip(second.indices.tolist(), second.values.softmax(-1).tolist()):
-                exact[(t1, t2)] = w1 * w2
-    # a draft vocabulary of the target's candidates, so drafts are sometimes accepted
-    vocab = sorted({t for pair in exact for t in pair})
-    _, drafter = _drafters(debug_target, torch.tensor(vocab), top_k=8)
+    exact = exact_two_tokens(debug_target, prompt)
+    _, drafter = _drafters(debug_target, candidate_vocab(exact), top_k=8)
     with torch.no_grad():
         drafter.candidate_selector.successor_codebook.normal_(0, 2.0)
     runner = LlamaRunner(debug_target.model, num_slots=8, max_len=128, capture_layer_ids=(1, 4))
-    worker = DFlash2Worker(runner, drafter, num_speculative_tokens=2)
-    counts: dict[tuple[int, int], int] = {}
-    accepted = []
-    for batch in range(128):
-        generators = [torch.Generator().manual_seed(batch * 8 + b) for b in range(8)]
-        logits = worker.prefill(list(range(8)), [prompt] * 8)
-        firsts = [sample_next(logits[b], params, generators[b]) for b in range(8)]
-        step = worker.step(list(range(8)), firsts, [params] * 8, generators, 2)
-        accepted += step.accepted
-        for slot, (t1, tokens) in enumerate(zip(firsts, step.tokens)):
-            counts[(t1, tokens[0])] = counts.get((t1, tokens[0]), 0) + 1
-            worker.runner.cache.release(slot)
-            worker.release(slot)
-    n = sum(counts.values())
-    assert set(counts) <= set(exact)
-    chi2 = sum((counts.get(c, 0) - n * p) ** 2 / (n * p) for c, p in exact.items())
-    assert chi2 < CHI2_8_P001, chi2
+    counts, steps = sample_two_tokens(DFlash2Worker(runner, drafter, num_speculative_tokens=2), prompt, 2)
+    assert chi_square(counts, exact) < CHI2_8_P001, chi_square(counts, exact)
+    accepted = accepted_of(steps)
     assert sum(r >= 1 for r in accepted) > 0.05 * len(accepted)  # accepted drafts: the accept path ran

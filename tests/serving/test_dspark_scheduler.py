@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from lossless_chi2 import CHI2_8_P001, candidate_vocab, chi_square, exact_two_tokens, sample_two_tokens
 
 from specray.capture.contract import build_contract
 from specray.drafters import dspark
@@ -17,7 +18,7 @@ from specray.serving.chooser import RoundChooser
 from specray.serving.cost_table import CostEntry, CostTable, MachineDescription
 from specray.serving.engine import Engine
 from specray.serving.runner import LlamaRunner
-from specray.serving.sampling import SamplingParams, sample_next
+from specray.serving.sampling import SamplingParams
 from specray.serving.verify import accept_chains
 from specray.serving.workers import dspark as dspark_worker
 from specray.serving.workers.dspark import DSparkWorker
@@ -110,30 +111,6 @@ def test_a_round_verifies_the_scheduled_lengths_and_commits_r_plus_one_rows(debu
     assert len(worker.published_survival()) == 2
 
 
-def _exact(target, prompt, top_k):
-    """p(t1) p(t2 | t1) over the target's top-k tokens at temperature 1."""
-    with torch.inference_mode():
-        first = torch.topk(target.model(torch.tensor([prompt])).logits[0, -1], top_k)
-        exact = {}
-        for t1, w1 in zip(first.indices.tolist(), first.values.softmax(-1).tolist()):
-            second = torch.topk(target.model(torch.tensor([prompt + [t1]])).logits[0, -1], top_k)
-            for t2, w2 in zip(second.indices.tolist(), second.values.softmax(-1).tolist()):
-                exact[(t1, t2)] = w1 * w2
-    return exact
-
-
-# 9 cells, 8 degrees of freedom: p = 0.001.
-CHI2_8_P001 = 26.1
-
-
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("peek", [False, True], ids=["schedule", "peeking_control"])
 def test_sampled_rounds_through_the_schedule_keep_the_targets_distribution(debug_target, one_thread, peek,
                                                                            monkeypatch):
@@ -143,32 +120,18 @@ def test_sampled_rounds_through_the_schedule_keep_the_targets_distribution(debug
     schedule that verifies d1 only when it is q's most likely token (a decision that reads the
     draft itself, which the confidence schedule never does) fails the same test (chi2 ≈ 64)."""
     prompt = _encode(debug_target, "Hi")
-    params = SamplingParams(temperature=1.0, top_k=3)
-    exact = _exact(debug_target, prompt, 3)
-    vocab = torch.tensor(sorted({t for pair in exact for t in pair}))  # drafts are sometimes accepted
-    worker = _worker(debug_target, _drafter(debug_target, vocab, seed=2), slots=8)
+    exact = exact_two_tokens(debug_target, prompt)
+    worker = _worker(debug_target, _drafter(debug_target, candidate_vocab(exact), seed=2), slots=8)
     if peek:
         seen = []
         draft_block = worker.draft_block
         monkeypatch.setattr(worker, "draft_block", lambda *a: seen.append(draft_block(*a)) or seen[-1])
         monkeypatch.setattr(dspark_worker, "schedule_verify_lens", lambda survival, budget: torch.tensor(
             [2 if int(seen[-1][0][b, 0]) == int(q[0].argmax()) else 1 for b, q in enumerate(seen[-1][1])]))
-    counts: dict[tuple[int, int], int] = {}
-    lengths = []
-    for batch in range(128):
-        generators = [torch.Generator().manual_seed(batch * 8 + b) for b in range(8)]
-        logits = worker.prefill(list(range(8)), [prompt] * 8)
-        firsts = [sample_next(logits[b], params, generators[b]) for b in range(8)]
-        step = worker.step(list(range(8)), firsts, [params] * 8, generators, 6)
-        lengths += step.num_drafts
-        for slot, (t1, tokens) in enumerate(zip(firsts, step.tokens)):
-            counts[(t1, tokens[0])] = counts.get((t1, tokens[0]), 0) + 1
-            worker.runner.cache.release(slot)
-            worker.release(slot)
-    n = sum(counts.values())
-    assert set(counts) <= set(exact)
-    chi2 = sum((counts.get(c, 0) - n * p) ** 2 / (n * p) for c, p in exact.items())
+    counts, steps = sample_two_tokens(worker, prompt, 6)
+    chi2 = chi_square(counts, exact)
     assert (chi2 > CHI2_8_P001) if peek else (chi2 < CHI2_8_P001), chi2
+    lengths = [n for step in steps for n in step.num_drafts]
     assert {0, 1} <= set(lengths)  # ragged: requests that verified nothing and requests that verified drafts
 
 

@@ -6,10 +6,11 @@ from dataclasses import replace
 
 import pytest
 import torch
+from lossless_chi2 import CHI2_8_P001, accepted_of, candidate_vocab, chi_square, exact_two_tokens, sample_two_tokens
 
 from specray.drafters import dspark
 from specray.serving.runner import LlamaRunner
-from specray.serving.sampling import SamplingParams, process, sample_next
+from specray.serving.sampling import SamplingParams, process
 from specray.serving.workers.dspark import DSparkWorker
 
 
@@ -79,51 +80,16 @@ def test_sampled_drafts_come_from_the_corrected_q_handed_to_verification(debug_t
     assert len(worker.stats()["confidence_by_pos"]) == B
 
 
-@pytest.fixture
-def one_thread():
-    """1,024 tiny forwards: one intra-op thread keeps them from spinning on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-# 9 cells, 8 degrees of freedom: p = 0.001.
-CHI2_8_P001 = 26.1
-
-
 def test_sampled_rounds_through_the_head_keep_the_targets_distribution(debug_target, one_thread):
     """Two tokens per request at temperature 1, top-k 3: the first from the prefill, the second from
     a round of 2 drafts; their joint frequency against the target's p(t1) p(t2 | t1). Handing
     verification the backbone's softmax instead of the corrected q gives chi2 > 200 here."""
     prompt = _encode(debug_target, "Hi")
-    params = SamplingParams(temperature=1.0, top_k=3)
-    with torch.inference_mode():
-        first = torch.topk(debug_target.model(torch.tensor([prompt])).logits[0, -1], 3)
-        exact = {}
-        for t1, w1 in zip(first.indices.tolist(), first.values.softmax(-1).tolist()):
-            second = torch.topk(debug_target.model(torch.tensor([prompt + [t1]])).logits[0, -1], 3)
-            for t2, w2 in zip(second.indices.tolist(), second.values.softmax(-1).tolist()):
-                exact[(t1, t2)] = w1 * w2
-    # a draft vocabulary of the target's candidates, so drafts are sometimes accepted
-    vocab = torch.tensor(sorted({t for pair in exact for t in pair}))
-    worker = _worker(debug_target, _drafter(debug_target, vocab, seed=2), k=2, slots=8)
-    counts: dict[tuple[int, int], int] = {}
-    accepted = []
-    for batch in range(128):
-        generators = [torch.Generator().manual_seed(batch * 8 + b) for b in range(8)]
-        logits = worker.prefill(list(range(8)), [prompt] * 8)
-        firsts = [sample_next(logits[b], params, generators[b]) for b in range(8)]
-        step = worker.step(list(range(8)), firsts, [params] * 8, generators, 2 * 8)  # budget: 2 drafts each
-        accepted += step.accepted
-        for slot, (t1, tokens) in enumerate(zip(firsts, step.tokens)):
-            counts[(t1, tokens[0])] = counts.get((t1, tokens[0]), 0) + 1
-            worker.runner.cache.release(slot)
-            worker.release(slot)
-    n = sum(counts.values())
-    assert set(counts) <= set(exact)
-    chi2 = sum((counts.get(c, 0) - n * p) ** 2 / (n * p) for c, p in exact.items())
-    assert chi2 < CHI2_8_P001, chi2
+    exact = exact_two_tokens(debug_target, prompt)
+    worker = _worker(debug_target, _drafter(debug_target, candidate_vocab(exact), seed=2), k=2, slots=8)
+    counts, steps = sample_two_tokens(worker, prompt, 2 * 8)  # budget: 2 drafts each
+    assert chi_square(counts, exact) < CHI2_8_P001, chi_square(counts, exact)
+    accepted = accepted_of(steps)
     assert sum(r >= 1 for r in accepted) > 0.05 * len(accepted)  # accepted drafts: the accept path ran
 
 

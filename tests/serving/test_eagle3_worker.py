@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from lossless_chi2 import CHI2_8_P001, accepted_of, candidate_vocab, chi_square, exact_two_tokens, sample_two_tokens
 
 from specray.capture.contract import build_contract
 from specray.drafters.eagle3 import Eagle3Drafter, debug_config
@@ -218,46 +219,16 @@ def test_sampled_drafts_come_from_the_q_handed_to_verification(debug_target):
     assert qs[1] is None  # greedy: argmax, no q
 
 
-@pytest.fixture
-def one_thread():
-    """1,024 tiny forwards: one intra-op thread keeps them from spinning on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _two_sampled_tokens(target, make_worker, size):
-    """Two tokens per request at temperature 1, top-k 3: the first from the prefill, the second from
-    a round of ``size`` (drafts accepted or rejected). Returns (chi2 of their joint frequency
-    against the target's p(t1) p(t2|t1), 9 cells; the rounds' accepted counts)."""
+    """The chi-square harness (``lossless_chi2``) on a worker over a drafter whose draft vocabulary
+    is the target's candidates (drafts at the 1st and 2nd position are sometimes accepted). Returns
+    (chi2; the rounds' accepted counts). A q that claims less than the drafts were drawn from
+    (accepting too often) gives chi2 > 100 here."""
     prompt = _encode(target, "Hi")
-    params = SamplingParams(temperature=1.0, top_k=3)
-    with torch.inference_mode():
-        first = torch.topk(target.model(torch.tensor([prompt])).logits[0, -1], 3)
-        p1 = dict(zip(first.indices.tolist(), first.values.softmax(-1).tolist()))
-        exact = {}
-        for t1, w1 in p1.items():
-            second = torch.topk(target.model(torch.tensor([prompt + [t1]])).logits[0, -1], 3)
-            for t2, w2 in zip(second.indices.tolist(), second.values.softmax(-1).tolist()):
-                exact[(t1, t2)] = w1 * w2
-    # a draft vocabulary of the target's candidates, so drafts are sometimes accepted (1st and 2nd)
-    worker = make_worker(_drafter(target, torch.tensor(sorted({t for pair in exact for t in pair})), seed=2))
-    counts: dict[tuple[int, int], int] = {}
-    accepted = []
-    for batch in range(128):
-        tokens, rounds = _generate(worker, [prompt] * 8, 2, params, seed=batch * 8, size=size)
-        accepted += rounds[0].accepted
-        for t in tokens:
-            counts[tuple(t)] = counts.get(tuple(t), 0) + 1
-    n = sum(counts.values())
-    assert set(counts) <= set(exact)
-    return sum((counts.get(c, 0) - n * p) ** 2 / (n * p) for c, p in exact.items()), accepted
-
-
-# 9 cells, 8 degrees of freedom: p = 0.001. A q that claims less than the drafts were drawn from
-# (accepting too often) gives chi2 > 100 here.
-CHI2_8_P001 = 26.1
+    exact = exact_two_tokens(target, prompt)
+    worker = make_worker(_drafter(target, candidate_vocab(exact), seed=2))
+    counts, steps = sample_two_tokens(worker, prompt, size)
+    return chi_square(counts, exact), accepted_of(steps)
 
 
 def test_sampled_rounds_keep_the_targets_distribution(debug_target, one_thread):
