@@ -128,7 +128,9 @@ class CaptureServer:
         outputs = decoder_layer_outputs(self.target.model, input_ids.to(device), attention_mask.to(device),
                                         self.contract.layer_ids, last_hidden=self.contract.last_hidden)
         dtype = self.contract.torch_dtype
-        hidden = torch.cat([outputs[i] for i in self.contract.layer_ids], dim=-1).to(dtype)  # [B, T, L*D]
+        # a target placed across GPUs leaves each layer's output on its own GPU: gather them on the first
+        first = outputs[self.contract.layer_ids[0]].device
+        hidden = torch.cat([outputs[i].to(first, dtype) for i in self.contract.layer_ids], dim=-1)  # [B, T, L*D]
         last = outputs["norm"].to(dtype) if self.contract.last_hidden else None  # [B, T, D]
         features = []
         for row, sample in enumerate(samples):

@@ -346,7 +346,7 @@ class DrafterSectionBase(BaseModel):
     Each algorithm subclasses it with ``algorithm: Literal["<name>"]`` (the union's
     discriminator), its architecture fields, and ``drafter_config(target, layer_ids)``: the
     model config for this section, sizes left unset taken from the target (duck-typed:
-    ``hidden_size``, ``vocab_size``, ``model.config``, ``tokenizer``), reading the captured
+    ``hidden_size``, ``vocab_size``, ``config``, ``tokenizer``), reading the captured
     ``layer_ids``.
     """
 
@@ -380,7 +380,7 @@ class DrafterSectionBase(BaseModel):
 
 def target_sizes(target: Any) -> dict:
     """The target's shapes a drafter config defaults to: heads, KV heads, head dim, MLP width, norm eps, RoPE theta."""
-    tcfg = target.model.config
+    tcfg = target.config  # a Target with any weights loaded, or none (capture/target.py)
     return {
         "num_heads": tcfg.num_attention_heads,
         "num_kv_heads": tcfg.num_key_value_heads,
