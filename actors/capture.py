@@ -89,6 +89,14 @@ class CaptureActor:
         return self.server.capture(samples, only=only)
 
 
+def actor_options(num_cpus: float, num_gpus: float, max_restarts: int) -> dict:
+    """Ray options of a capture actor: its CPUs and GPUs (``capture.num_cpus_per_actor`` /
+    ``num_gpus_per_actor``), restarts by Ray, and no task retries (the pool re-sends lost batches)."""
+    if num_gpus < 0:
+        raise ValueError(f"capture.num_gpus_per_actor must be >= 0, got {num_gpus}")
+    return {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_restarts": max_restarts, "max_task_retries": 0}
+
+
 @dataclass(frozen=True)
 class PoolStats:
     batches: int
@@ -163,8 +171,7 @@ class CapturePool:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
         # Opened here first: a ray:// store's directory then lives as long as this driver.
         self.store = open_store(store_uri, endpoint_url=endpoint_url)
-        self._actor_cls = CaptureActor.options(num_cpus=num_cpus_per_actor, num_gpus=num_gpus_per_actor,
-                                               max_restarts=max_restarts, max_task_retries=0)
+        self._actor_cls = CaptureActor.options(**actor_options(num_cpus_per_actor, num_gpus_per_actor, max_restarts))
         self._actor_args = (target, contract, store_uri)
         self._actor_kwargs = {"endpoint_url": endpoint_url, "target_dtype": target_dtype, "target_device": target_device}
         self.num_cpus_per_actor, self.num_gpus_per_actor = num_cpus_per_actor, num_gpus_per_actor

@@ -104,11 +104,11 @@ def _spawned(rank: int, cfg: TrainJobConfig, world_size: int, port: int, progres
 def run_training(cfg: TrainJobConfig, *, progress: bool = True) -> TrainSummary:
     """Train ``cfg``; features captured for another algorithm are refused before anything trains."""
     spec = cfg.train_spec()
+    world_size = cfg.trainer.world_size
+    rank_device(spec, world_size=world_size)  # refuses a device this machine lacks before anything is read
     if spec.manifest is not None:
         check_manifest_fits(spec, read_manifest(spec.manifest, endpoint_url=spec.endpoint_url).contract)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    world_size = cfg.trainer.world_size
-    rank_device(spec, world_size=world_size)  # refuses a device this machine lacks before any rank starts
     if world_size == 1:
         return _run_rank(0, cfg, 1, None, progress)
     count_draft_vocab(spec)  # once here, not by every rank
