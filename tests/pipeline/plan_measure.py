@@ -31,8 +31,46 @@ def peak() -> int:
     return int(line.split()[1]) * 1024
 
 
+def capture(args: dict) -> dict:
+    """Peak of a capture actor: the target loaded, then one batch of ``max_batch_tokens`` padded tokens
+    (sequences of ``max_length``) captured into a file store, above the memory before the load."""
+    import tempfile
+
+    from specray.capture.contract import build_contract
+    from specray.capture.data import RenderedSample
+    from specray.capture.server import CaptureServer
+    from specray.capture.store import FeatureStore
+    from specray.capture.target import load_target
+
+    def samples(n: int, length: int) -> list[RenderedSample]:  # one shorter: the batch is padded, as batches are
+        generator = torch.Generator().manual_seed(0)
+        lengths = [length] * (n - 1) + [length - 1]
+        return [RenderedSample(f"s{i}", torch.randint(3, 200, (n_i,), generator=generator),
+                               torch.ones(n_i, dtype=torch.bool), False) for i, n_i in enumerate(lengths)]
+
+    before = rss()
+    target = load_target(args["target"])
+    for p in target.model.parameters():
+        p.sum()  # resident once read (the weights may map the safetensors file)
+    contract = build_contract(args["algorithm"], target_fingerprint=target.target_fingerprint,
+                              template_fingerprint=target.template_fingerprint, num_target_layers=target.num_layers,
+                              hidden_size=target.hidden_size, dtype=args.get("dtype", "bfloat16"))
+    with tempfile.TemporaryDirectory() as tmp:
+        server = CaptureServer(target, contract, FeatureStore(Path(tmp).as_uri()))
+        server.capture(samples(2, 16))  # first use of the forward's libraries
+        gc.collect()
+        length = args["max_length"]
+        batch = samples(args["max_batch_tokens"] // length, length)
+        Path("/proc/self/clear_refs").write_text("5")
+        server.capture(batch)
+        server.close()
+    return {"peak_bytes": peak() - before}
+
+
 def main(args: dict) -> dict:
     torch.set_num_threads(1)
+    if args.get("stage") == "capture":
+        return capture(args)
     from specray.capture.contract import build_contract
     from specray.capture.target import load_target
     from specray.pipeline.config import TrainJobConfig, load_config
