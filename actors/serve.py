@@ -36,6 +36,7 @@ import ray
 from ray import serve
 
 from specray.actors.cluster import connect
+from specray.capture.devices import resolve_device
 from specray.capture.target import load_target
 from specray.serving.engine import Engine, EngineLoop
 from specray.serving.http_guard import HttpLimits, is_loopback
@@ -108,7 +109,9 @@ class SpecrayReplica:
             torch.set_num_threads(spec.num_threads)
         self.spec = spec
         self.replica = serve.get_replica_context().replica_id.unique_id
-        target = load_target(spec.target, dtype=spec.dtype, device=spec.device)
+        # auto = what Ray granted this replica (a replica without GPUs may still see its node's)
+        device = resolve_device(spec.device, field="target.device", gpus=len(ray.get_gpu_ids()))
+        target = load_target(spec.target, dtype=spec.dtype, device=device)
         self.engine = Engine(target, spec.drafter_dir, max_batch=spec.max_batch, max_len=spec.max_len,
                              num_speculative_tokens=spec.num_speculative_tokens,
                              max_speculative_batch=spec.max_speculative_batch, speculation=spec.speculation,
