@@ -117,3 +117,20 @@ def test_a_trainer_rank_reads_exactly_the_heads(sharded_untied, reads, tmp_path)
     assert sorted(reads) == sorted(HEADS_UNTIED)
     assert parts.device == torch.device("cpu") and not parts.core.settings.bf16
     assert parts.target.weights == "heads" and parts.core.model.lm_head is parts.target.model.lm_head
+
+
+def test_the_capture_driver_plans_without_loading_the_model(monkeypatch, tmp_path, reads):
+    """``plan_capture`` (what the driver of Ray capture runs) renders, fingerprints and batches from the
+    tokenizer, the config and the weight digests; only the capture actors load the model."""
+    from specray.pipeline.config import CaptureJobConfig, load_config
+    from specray.pipeline.jobs.capture import plan_capture
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the driver loaded the target's model")
+
+    monkeypatch.setattr(target_module.AutoModelForCausalLM, "from_pretrained", refuse)
+    cfg = load_config(CaptureJobConfig, None, ["target.name=debug", "data.max_samples=4",
+                                               f"output.run_dir={tmp_path}"])
+    plan = plan_capture(cfg)
+    assert plan.target.model is None and reads == [] and len(plan.samples) == 4 and plan.batches
+    assert plan.contract.target_fingerprint == load_target("debug", weights="none").target_fingerprint
