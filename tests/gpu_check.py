@@ -36,9 +36,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ALGORITHMS = ("eagle3", "dflash", "dspark", "dflash2")
-TESTS_TIMEOUT_S = 150
-PIPELINE_TIMEOUT_S = 70  # each algorithm's pipeline, inside the pipelines stage
-PIPELINES_TIMEOUT_S = 4 * PIPELINE_TIMEOUT_S + 30  # the whole stage: one Ray start, four pipelines
+TESTS_TIMEOUT_S = 140
+PIPELINE_TIMEOUT_S = 75  # each algorithm's pipeline, inside the pipelines stage
+PIPELINES_TIMEOUT_S = 4 * PIPELINE_TIMEOUT_S + 20  # the whole stage: one Ray start, four pipelines
 
 
 def pipeline_overrides(algorithm: str, out: Path) -> tuple[str, list[str]]:
