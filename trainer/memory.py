@@ -137,14 +137,15 @@ def drafter_parameters(algorithm: str, model_cfg) -> int:
 
 
 def rank_memory(strategy, model_cfg, objective, shape: StepShape, *, heads_bytes: float, batch_width: int,
-                num_parameters: int | None = None) -> RankMemory:
+                head_element_bytes: int = FP32, num_parameters: int | None = None) -> RankMemory:
     """The peak of one rank training ``model_cfg`` with ``strategy`` (its class) on ``shape``.
 
-    ``heads_bytes``: the target's heads as the rank reads them; ``batch_width``: the features'
-    fp32 elements per token (``L·D``, + ``D`` with last hidden states)."""
+    ``heads_bytes``: the target's heads as the rank reads them (``head_element_bytes`` per element);
+    ``batch_width``: the features' fp32 elements per token (``L·D``, + ``D`` with last hidden states)."""
     P = drafter_parameters(strategy.algorithm, model_cfg) if num_parameters is None else num_parameters
     V_d = model_cfg.draft_vocab_size
-    head_rows = V_d * model_cfg.hidden_size * FP32 if V_d is not None else 0.0  # the draft vocabulary's head rows
+    # a draft vocabulary's LM head rows, copied once (DraftVocabHead.head)
+    head_rows = V_d * model_cfg.hidden_size * head_element_bytes if V_d is not None else 0.0
     batch = shape.rows * (batch_width * FP32 + 8 + 2)  # features, int64 ids, two bool masks
     return RankMemory(heads=heads_bytes + head_rows, parameters=P * FP32, gradients=P * FP32, optimizer=2 * P * FP32,
                       batch=batch, activations=strategy.activation_memory(model_cfg, objective, shape),

@@ -149,12 +149,12 @@ def trainer_stages(cfg: PipelineConfig, target: Target, contract, device: torch.
     t = cfg.train
     bf16 = resolve_precision(t.precision, device)
     model_cfg = t.drafter.drafter_config(target, contract.layer_ids)
-    heads_bytes = head_params * (torch.finfo(resolve_dtype(cfg.target.dtype, device)).bits // 8 if bf16 else FP32)
-    heads_bytes += target.hidden_size * FP32
+    element = torch.finfo(resolve_dtype(cfg.target.dtype, device)).bits // 8 if bf16 else FP32
+    heads_bytes = head_params * element + target.hidden_size * FP32
     width = sum(w for w, _ in contract.tensor_widths().values() if w)
     shape = StepShape(t.optim.micro_batch_size, cfg.data.max_length, act_bytes=2 if bf16 else FP32)
     memory = rank_memory(get_strategy(t.drafter.algorithm), model_cfg, t.objective, shape, heads_bytes=heads_bytes,
-                         batch_width=width)
+                         batch_width=width, head_element_bytes=element)
     act = memory.activations
     parts = ", ".join(f"{k} {human(v)}" for k, v in act.parts.items())
     stages = [Stage("trainer rank", memory.peak,
