@@ -37,6 +37,7 @@ from ray import serve
 
 from specray.actors.cluster import connect
 from specray.capture.chat import resolve_chat_template
+from specray.capture.devices import resolve_device
 from specray.capture.target import load_target
 from specray.serving.engine import Engine, EngineLoop
 from specray.serving.http_guard import HttpLimits, is_loopback
@@ -113,7 +114,9 @@ class SpecrayReplica:
             torch.set_num_threads(spec.num_threads)
         self.spec = spec
         self.replica = serve.get_replica_context().replica_id.unique_id
-        target = load_target(spec.target, dtype=spec.dtype, device=spec.device, chat_template=spec.chat_template,
+        # auto = what Ray granted this replica (a replica without GPUs may still see its node's)
+        device = resolve_device(spec.device, field="target.device", gpus=len(ray.get_gpu_ids()))
+        target = load_target(spec.target, dtype=spec.dtype, device=device, chat_template=spec.chat_template,
                              chat_template_kwargs=spec.chat_template_kwargs)
         self.engine = Engine(target, spec.drafter_dir, max_batch=spec.max_batch, max_len=spec.max_len,
                              num_speculative_tokens=spec.num_speculative_tokens,

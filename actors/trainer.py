@@ -4,7 +4,9 @@
     export_checkpoint(result.checkpoint, "runs/x/export")
 
 ``spec`` is a ``trainer/assembly.py::TrainSpec`` (``TrainJobConfig.train_spec()``). Each Ray
-Train worker (``TorchTrainer``, gloo, 1 CPU) builds its rank with ``build_rank`` and trains
+Train worker (``TorchTrainer``: ``cpus_per_worker`` CPUs and ``gpus_per_worker`` GPUs; with GPUs,
+``use_gpu`` and NCCL, the rank on ``ray.train.torch.get_device()``; without, gloo on the CPU —
+``gang_scaling``) builds its rank with ``build_rank`` on that device and trains
 through ``trainer/loop.py::TrainRun`` — the same drafter, strategy, step, metrics records and
 checkpoint save/resume as ``specray train``; this module adds only the ledger and Ray's
 protocol — and runs one of two sources.
@@ -101,7 +103,7 @@ import ray.train
 import torch
 import torch.distributed as dist
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
+from ray.train.torch import TorchConfig, TorchTrainer
 
 from specray.actors.broker import StreamFailedError, Window
 from specray.actors.gang_faults import FaultPlan, MidWindowCrash
@@ -110,8 +112,9 @@ from specray.actors.gang_recovery import (AttemptPlanner, CheckpointMismatchErro
 from specray.actors.progress import ProgressFeed
 from specray.capture.contract import CaptureContract
 from specray.capture.store import FeatureChecksumError, FeatureNotFoundError, SampleRef, open_store, read_manifest
+from specray.capture.devices import check_ray_devices, resolve_device
 from specray.trainer.assembly import (TrainSpec, build_rank, check_capture_fits, check_manifest_fits,
-                                      count_draft_vocab, feature_loader)
+                                      count_draft_vocab, feature_loader, whole_target_hook)
 from specray.trainer.ledger import Ledger
 from specray.trainer.loader import TrainBatch, collate
 from specray.serving.live_eval import checkpoint_hook
@@ -188,19 +191,20 @@ class _GangRank:
             contract = manifest.contract
             self.store = open_store(manifest.store_uri, endpoint_url=train.endpoint_url)
             provenance = {"manifest": train.manifest, "samples": len(manifest.refs)}
+        self.device = worker_device(train)
         parts = build_rank(train, contract, rank=rank, world_size=world_size, provenance=provenance,
-                           draft_vocab=spec.get("draft_vocab"))
+                           draft_vocab=spec.get("draft_vocab"), device=self.device)
         if self.online:  # FeatureLoader checks a manifest's contract itself
             parts.expected.check_compatible(contract, what="the stream's features")
         self.core = parts.core
         if self.fault is not None and self.fault.point == "mid_window":
             self.core.strategy = MidWindowCrash(self.core.strategy, self.fault, rank, self.accumulation)
         self.run_state = TrainRun(self.core, log_every=train.log_every, extra=parts.extra)
-        hook = checkpoint_hook(train.live_eval)
-        self.on_checkpoint = hook(parts.target) if hook is not None and rank == 0 else None
+        live = checkpoint_hook(train.live_eval)
+        self.on_checkpoint = whole_target_hook(train, live, self.device) if rank == 0 else None
         self.progress = spec.get("progress") if rank == 0 else None
         self.loader = None if self.online else feature_loader(train, manifest, self.store, parts.expected,
-                                                               rank=rank, world_size=world_size)
+                                                               rank=rank, world_size=world_size, device=self.device)
         self.ledger = Ledger(spec["ledger_uri"]) if rank == 0 else None
         self.planner = None if rank != 0 else AttemptPlanner(
             self.ledger, run_uri=spec["run_uri"], resume_from=spec["resume_from"], broker=spec.get("broker"),
@@ -359,9 +363,11 @@ class _GangRank:
     def _batch(self, slot: list[SampleRef], window: Window) -> TrainBatch:
         max_length = self.train.max_length
         if slot:
-            return collate(self._read(slot), [r.sample_id for r in slot], max_length=max_length)
-        filler = collate(self._read([window.refs[0]]), [], max_length=max_length)
-        return dataclasses.replace(filler, loss_mask=torch.zeros_like(filler.loss_mask), num_tokens=0)
+            batch = collate(self._read(slot), [r.sample_id for r in slot], max_length=max_length)
+        else:
+            filler = collate(self._read([window.refs[0]]), [], max_length=max_length)
+            batch = dataclasses.replace(filler, loss_mask=torch.zeros_like(filler.loss_mask), num_tokens=0)
+        return batch.pin_memory() if self.device.type == "cuda" else batch
 
     def _read(self, refs: list[SampleRef]) -> list[dict[str, torch.Tensor]]:
         """The features of ``refs``; lost or corrupt ones are captured again when the producer can (module docstring)."""
@@ -453,6 +459,25 @@ class _GangRank:
         ray.get(self.spec["broker"].release.remote([r.sample_id for r in refs]), timeout=120)
 
 
+def worker_device(train: TrainSpec) -> torch.device:
+    """This gang worker's device: ``train.device`` against the GPUs Ray granted it (``ray.get_gpu_ids()``:
+    a worker without a grant may still see its node's GPUs); on CUDA, the one Ray Train assigned it."""
+    device = resolve_device(train.device, field=train.device_field, gpus=len(ray.get_gpu_ids()),
+                            fix="set train.gpus_per_worker=1 (or more) so that Ray grants each worker a GPU, or "
+                                f"{train.device_field}=auto")
+    return ray.train.torch.get_device() if device.type == "cuda" else device
+
+
+def gang_scaling(num_workers: int, cpus_per_worker: float, gpus_per_worker: int) -> tuple[ScalingConfig, TorchConfig]:
+    """Ray Train's resources and process group for the gang: GPU workers (``use_gpu``) with NCCL,
+    or CPU workers with gloo."""
+    if gpus_per_worker < 0:
+        raise ValueError(f"train.gpus_per_worker must be >= 0, got {gpus_per_worker}")
+    resources = {"CPU": cpus_per_worker, **({"GPU": gpus_per_worker} if gpus_per_worker else {})}
+    scaling = ScalingConfig(num_workers=num_workers, use_gpu=gpus_per_worker > 0, resources_per_worker=resources)
+    return scaling, TorchConfig(backend="nccl" if gpus_per_worker else "gloo")
+
+
 def _gang_worker(spec: dict) -> dict | None:
     import specray.actors.object_store  # noqa: F401  (registers ray:// stores in this worker)
 
@@ -533,6 +558,7 @@ def run_trainer_gang(
     spec: TrainSpec, *, num_workers: int, storage_path: str, ledger_uri: str | None = None, broker=None,
     resume_from: str | None = None, max_failures: int = 1, fault: FaultPlan | None = None,
     timeout_s: float | None = None, cpus_per_worker: float = 1.0, on_record: Callable[[dict], None] | None = None,
+    gpus_per_worker: int = 0,
 ) -> GangResult:
     """Train ``spec`` with ``num_workers`` DP ranks; online from ``broker``, else offline from ``spec.manifest``.
 
@@ -542,8 +568,9 @@ def run_trainer_gang(
     the same across runs that continue one model. ``max_failures`` worker-group restarts are
     allowed before ``GangFailedError``; a terminal error (a failed stream, features that cannot
     come back, a checkpoint that is not what its name says) is raised as is, without a restart.
-    Each worker reserves ``cpus_per_worker`` logical CPUs, and Ray sizes its torch thread pool
-    to match. Features captured for another algorithm than ``spec.drafter``'s are refused before
+    Each worker reserves ``cpus_per_worker`` logical CPUs (Ray sizes its torch thread pool to
+    match) and ``gpus_per_worker`` GPUs (``gang_scaling``; the rank trains on ``spec.device``,
+    ``auto`` = its GPU when it has one). Features captured for another algorithm than ``spec.drafter``'s are refused before
     the gang starts. ``on_record`` is called in the driver with each metrics record rank 0 makes
     (a record comes again with its live fields once its checkpoint measured them).
     """
@@ -553,6 +580,8 @@ def run_trainer_gang(
     if online == (spec.manifest is not None):
         raise ValueError("give exactly one feature source: broker= for online training (with data.manifest null), "
                          f"or data.manifest for offline training; got broker={broker!r}, manifest={spec.manifest!r}")
+    check_ray_devices(spec.device, gpus_per_worker, device_field=spec.device_field, gpus_field="train.gpus_per_worker",
+                      who="trainer gang workers")
     quantum = num_workers * spec.micro_batch_size * spec.optim.accumulation_steps
     if fault is not None and fault.point == "mid_window" and fault.after >= spec.optim.accumulation_steps:
         raise ValueError(f"a mid_window fault crashes before micro-batch `after` of a step; use 0 <= after < "
@@ -575,7 +604,7 @@ def run_trainer_gang(
     with ProgressFeed(on_record) if on_record is not None else contextlib.nullcontext() as feed:
         job["progress"] = feed.board if feed is not None else None
         result = _fit_gang(job, spec, num_workers=num_workers, storage_path=storage_path, max_failures=max_failures,
-                           timeout_s=timeout_s, cpus_per_worker=cpus_per_worker)
+                           timeout_s=timeout_s, cpus_per_worker=cpus_per_worker, gpus_per_worker=gpus_per_worker)
     out = result.return_value
     if "ended" in out:  # a terminal error every rank agreed on (module docstring)
         raise {cls.__name__: cls for cls in TERMINAL_ERRORS}[out["ended"]](out["message"])
@@ -584,13 +613,13 @@ def run_trainer_gang(
 
 
 def _fit_gang(job: dict, spec: TrainSpec, *, num_workers: int, storage_path: str, max_failures: int,
-              timeout_s: float | None, cpus_per_worker: float):
+              timeout_s: float | None, cpus_per_worker: float, gpus_per_worker: int):
     """Ray Train's fit of the gang's workers over ``job``; its failures as ``GangFailedError`` / ``TimeoutError``."""
     run_uri, ledger_uri = job["run_uri"], job["ledger_uri"]
     filesystem = storage_filesystem(storage_path)
+    scaling, torch_config = gang_scaling(num_workers, cpus_per_worker, gpus_per_worker)
     trainer = TorchTrainer(
-        _gang_worker, train_loop_config=job,
-        scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=False, resources_per_worker={"CPU": cpus_per_worker}),
+        _gang_worker, train_loop_config=job, scaling_config=scaling, torch_config=torch_config,
         run_config=RunConfig(name=spec.name, storage_path=_ray_path(storage_path, filesystem),
                              storage_filesystem=filesystem,
                              failure_config=FailureConfig(max_failures=max_failures),

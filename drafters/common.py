@@ -317,7 +317,7 @@ class DrafterSectionBase(BaseModel):
     Each algorithm subclasses it with ``algorithm: Literal["<name>"]`` (the union's
     discriminator), its architecture fields, and ``drafter_config(target, layer_ids)``: the
     model config for this section, sizes left unset taken from the target (duck-typed:
-    ``hidden_size``, ``vocab_size``, ``model.config``, ``tokenizer``), reading the captured
+    ``hidden_size``, ``vocab_size``, ``config``, ``tokenizer``), reading the captured
     ``layer_ids``.
     """
 
@@ -354,7 +354,7 @@ def target_sizes(target: Any) -> dict:
     eps, and its RoPE (``rope_theta``, ``rope_scaling``: transformers' rope parameters besides the
     theta, None for the default type, and ``max_position_embeddings``), from ``check_supported``:
     a drafter rotates by the target's rule (``drafters/rope.py``)."""
-    spec = check_supported(target.model.config)
+    spec = check_supported(target.config)  # a Target with any weights loaded, or none (capture/target.py)
     return {
         "num_heads": spec.num_heads,
         "num_kv_heads": spec.num_kv_heads,
@@ -368,7 +368,7 @@ def target_sizes(target: Any) -> dict:
 def target_rope(target: Any) -> dict:
     """A drafter config's RoPE fields for ``target``: ``rope_theta``, ``rope_scaling`` and
     ``max_position_embeddings`` (``target_sizes``)."""
-    rope = check_supported(target.model.config).rope
+    rope = check_supported(target.config).rope
     return {"rope_theta": rope.theta, "rope_scaling": rope.scaling,
             "max_position_embeddings": rope.max_position_embeddings}
 

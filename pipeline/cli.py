@@ -11,6 +11,7 @@
     specray regenerate --out data/self.jsonl --num 256   (self-distilled training conversations)
     specray pipeline run manifests/quickstart.yaml [section.field=value …]   (capture → … → bench on Ray)
     specray serve -c manifests/serve.yaml [section.field=value …]   (OpenAI API on Ray Serve, until Ctrl-C)
+    specray plan manifests/quickstart.yaml [--device cuda --gpu-memory 80GiB] [section.field=value …]   (memory, bytes)
     specray inspect runs/capture-quickstart/manifest.parquet [--verify]
     specray bench capture --json bench/capture.json [-c CONFIG] [--repeats 3] [overrides …]
     specray bench train --json bench/train.json [-c CONFIG] [overrides …]
@@ -220,6 +221,19 @@ def _cmd_pipeline(args: argparse.Namespace) -> int:
         print("stopping", flush=True)
     finally:
         handle.stop()
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from specray.pipeline.config import PipelineConfig
+    from specray.pipeline.jobs.plan import parse_bytes, plan, plan_table, write_json
+
+    cfg = load_config(PipelineConfig, args.manifest, args.overrides)
+    gpu_memory = parse_bytes(args.gpu_memory) if args.gpu_memory else None
+    stages = plan(cfg, device=args.device, gpu_memory=gpu_memory, tokens_per_sample=args.tokens_per_sample)
+    print(plan_table(stages))
+    if args.json:
+        write_json(stages, args.json)
     return 0
 
 
@@ -437,6 +451,20 @@ def build_parser() -> argparse.ArgumentParser:
     pipeline_run.add_argument("overrides", nargs="*", metavar="section.field=value")
     pipeline_run.set_defaults(fn=_cmd_pipeline)
 
+    plan_cmd = sub.add_parser("plan", help="each stage's memory and bytes for a pipeline manifest, without running "
+                                           "anything (pipeline/jobs/plan.py)")
+    plan_cmd.add_argument("manifest", help="YAML pipeline manifest (e.g. manifests/quickstart.yaml)")
+    plan_cmd.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                          help="size the run for this device: bf16 target and autocast on cuda, fp32 on cpu "
+                               "(auto: cuda when this machine has a GPU)")
+    plan_cmd.add_argument("--gpu-memory", default=None, help="memory of one GPU, e.g. 80GiB: marks each device "
+                                                             "stage as fitting or not")
+    plan_cmd.add_argument("--tokens-per-sample", type=int, default=None,
+                          help="mean tokens of a sample (default: data.max_length, an upper bound)")
+    plan_cmd.add_argument("--json", help="also write the stages here")
+    plan_cmd.add_argument("overrides", nargs="*", metavar="section.field=value")
+    plan_cmd.set_defaults(fn=_cmd_plan)
+
     serve_cmd = sub.add_parser("serve", help="OpenAI-compatible Ray Serve replicas that hot-load drafters")
     serve_cmd.add_argument("-c", "--config", help="YAML serve manifest (e.g. manifests/serve.yaml)")
     serve_cmd.add_argument("overrides", nargs="*", metavar="section.field=value")
@@ -546,7 +574,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # overrides may follow options (``plan M --device cuda section.field=value``)
+        if not hasattr(args, "overrides") or any(e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     args.argv = argv
     try:
         return args.fn(args)

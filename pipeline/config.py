@@ -18,6 +18,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from specray.capture.chat import NAMED_TEMPLATES, check_chat_template, check_template_kwargs
 from specray.capture.contract import CONTRACT_SPECS, STORAGE_DTYPES
 from specray.capture.data import DATASETS, ROW_DATASETS
+from specray.capture.devices import check_ray_devices
 from specray.capture.target import DEFAULT_TARGET
 from specray.drafters import DEFAULT_ALGORITHM, DRAFTERS, get_drafter
 from specray.serving.http_guard import HttpLimits
@@ -39,8 +40,14 @@ class Section(BaseModel):
 
 class TargetConfig(Section):
     name: str = Field(DEFAULT_TARGET, description="embedded:<name>, debug[:seed], or a local HF model directory")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="compute dtype of the target forward")
-    device: str = Field("cpu", description="torch device for the target")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="compute dtype of the target: auto = bfloat16 on a GPU, float32 on the CPU (exact "
+                            "against transformers); trainer ranks read the embedding and LM head in it under bf16 "
+                            "training, else in float32")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where the target runs (capture, serving): auto = CUDA where the process is granted a "
+                            "GPU (a Ray capture actor: capture.num_gpus_per_actor), else the CPU; trainer ranks put "
+                            "the target's heads on the training device instead")
 
 
 def _chat_template_field() -> Any:
@@ -223,12 +230,24 @@ class OptimSection(Section):
     grad_clip: float | None = Field(1.0, gt=0, description="global grad-norm clip (None = off)")
     micro_batch_size: int = Field(2, gt=0, description="sequences per rank per micro-batch")
     accumulation_steps: int = Field(1, gt=0)
-    bf16: bool = Field(False, description="bf16 autocast for the drafter forward")
     seed: int = Field(0, description="seeds init, data order and anchors")
 
 
+def _device_field() -> Any:
+    return Field("auto", description="where a rank's drafter, batches and optimizer state live: auto = CUDA where "
+                                     "the rank has a GPU, else the CPU; cuda without one is refused")
+
+
+def _precision_field() -> Any:
+    return Field("auto", description="the drafter's compute: bf16 (autocast, fp32 weights and optimizer state) or "
+                                     "fp32; auto = bf16 on CUDA, fp32 on the CPU (the golden losses)")
+
+
 class TrainerSection(Section):
-    world_size: int = Field(1, gt=0, description="DDP ranks (torch.distributed, gloo) on this machine")
+    world_size: int = Field(1, gt=0, description="DDP ranks (torch.distributed: NCCL on CUDA, one GPU each; gloo on "
+                                                 "the CPU) on this machine")
+    device: Literal["auto", "cpu", "cuda"] = _device_field()
+    precision: Literal["auto", "fp32", "bf16"] = _precision_field()
     log_every: int = Field(10, gt=0)
     checkpoint_every: int = Field(100, gt=0)
     keep_last: int | None = Field(2, gt=0, description="checkpoints kept (None = all)")
@@ -289,21 +308,23 @@ class TrainJobConfig(JobConfig):
     _drafter = field_validator("drafter", mode="before")(classmethod(_drafter_section))
     _objective = field_validator("objective", mode="before")(classmethod(_objective_section))
 
-    def train_spec(self) -> TrainSpec:
-        """The run as ``trainer/assembly.py``'s plain spec, paths absolute (the gang's workers run elsewhere)."""
+    def train_spec(self, *, device_field: str = "trainer.device") -> TrainSpec:
+        """The run as ``trainer/assembly.py``'s plain spec, paths absolute (the gang's workers run elsewhere);
+        ``device_field`` is the config field errors about the device name (a pipeline's is ``train.device``)."""
         o, t = self.optim, self.trainer
         return TrainSpec(
             name=self.name, run_dir=str(self.run_dir.resolve()), target=self.target.name,
-            target_dtype=self.target.dtype, target_device=self.target.device,
+            target_dtype=self.target.dtype, device=t.device, precision=t.precision,
             drafter=self.drafter, objective=self.objective,
             optim=OptimSettings(lr=o.lr, weight_decay=o.weight_decay, warmup_steps=o.warmup_steps,
                                 total_steps=o.total_steps, min_lr_ratio=o.min_lr_ratio, grad_clip=o.grad_clip,
-                                accumulation_steps=o.accumulation_steps, bf16=o.bf16),
+                                accumulation_steps=o.accumulation_steps),
             micro_batch_size=o.micro_batch_size, seed=o.seed,
             manifest=_absolute(self.data.manifest) if self.data.manifest else None,
             endpoint_url=self.data.endpoint_url, max_length=self.data.max_length,
             world_size=t.world_size, log_every=t.log_every, checkpoint_every=t.checkpoint_every,
             keep_last=t.keep_last, config=self.model_dump(mode="json"), live_eval=self.live_eval.settings(),
+            device_field=device_field,
         )
 
 
@@ -324,6 +345,10 @@ class PipelineTrainSection(Section):
     optim: OptimSection = OptimSection()
     num_workers: int = Field(1, gt=0, description="trainer gang size (Ray Train workers = DP ranks)")
     cpus_per_worker: float = Field(1.0, gt=0, description="logical CPUs per worker (Ray sets its torch threads to match)")
+    gpus_per_worker: int = Field(0, ge=0, description="GPUs Ray grants each worker (> 0: Ray Train with use_gpu, NCCL; "
+                                                      "0: CPU workers, gloo)")
+    device: Literal["auto", "cpu", "cuda"] = _device_field()
+    precision: Literal["auto", "fp32", "bf16"] = _precision_field()
     max_failures: int = Field(1, ge=0, description="worker-group restarts from the last checkpoint before the run fails")
     log_every: int = Field(10, gt=0)
     checkpoint_every: int = Field(50, gt=0)
@@ -472,6 +497,17 @@ class ServeJobConfig(JobConfig):
 class PipelineCaptureSection(CaptureConfig):
     num_actors: int = Field(1, gt=0, description="CaptureServer actors, each loading the target once")
     num_cpus_per_actor: float = Field(1.0, gt=0, description="logical CPUs Ray reserves per capture actor")
+    num_gpus_per_actor: float = Field(
+        0.0, ge=0, description="GPUs Ray grants each capture actor (a fraction shares one GPU; a whole number > 1 "
+                               "places the target across that many GPUs of one node with device_map=auto)")
+
+    @field_validator("num_gpus_per_actor")
+    @classmethod
+    def _whole_above_one(cls, value: float) -> float:
+        if value > 1 and value != int(value):
+            raise ValueError(f"num_gpus_per_actor={value}: above 1 an actor spreads the target over whole GPUs; use a "
+                             f"whole number ({int(value)} or {int(value) + 1}) or a fraction <= 1")
+        return value
 
 
 class PipelineServeSection(Section):
@@ -574,6 +610,14 @@ class PipelineConfig(JobConfig):
         return self
 
     @model_validator(mode="after")
+    def _devices_have_their_ray_resources(self) -> "PipelineConfig":
+        check_ray_devices(self.target.device, self.capture.num_gpus_per_actor, device_field="target.device",
+                          gpus_field="capture.num_gpus_per_actor", who="capture actors")
+        check_ray_devices(self.train.device, self.train.gpus_per_worker, device_field="train.device",
+                          gpus_field="train.gpus_per_worker", who="trainer gang workers")
+        return self
+
+    @model_validator(mode="after")
     def _closed_loop_serves_fixed_replicas(self) -> "PipelineConfig":
         if self.mode != "closed_loop":
             return self
@@ -590,7 +634,7 @@ class PipelineConfig(JobConfig):
         return self.store.uri or (self.run_dir / "features").resolve().as_uri()
 
     def capture_job(self) -> CaptureJobConfig:
-        capture = self.capture.model_dump(exclude={"num_actors", "num_cpus_per_actor"})
+        capture = self.capture.model_dump(exclude={"num_actors", "num_cpus_per_actor", "num_gpus_per_actor"})
         return CaptureJobConfig(
             name=f"{self.name}-capture", target=self.target, data=self.data, capture=CaptureConfig(**capture),
             store=StoreConfig(uri=self.store_uri, endpoint_url=self.store.endpoint_url),
@@ -603,7 +647,8 @@ class PipelineConfig(JobConfig):
             name=f"{self.name}-train", target=self.target,
             data=TrainDataConfig(manifest=manifest, endpoint_url=self.store.endpoint_url),
             drafter=t.drafter, objective=t.objective, optim=t.optim,
-            trainer=TrainerSection(world_size=t.num_workers, log_every=t.log_every, checkpoint_every=t.checkpoint_every),
+            trainer=TrainerSection(world_size=t.num_workers, log_every=t.log_every, checkpoint_every=t.checkpoint_every,
+                                   device=t.device, precision=t.precision),
             live_eval=t.live_eval,
             output=TrainOutputSection(run_dir=str(self.run_dir / "train")),
         )

@@ -1,8 +1,8 @@
 """``specray export``: trained weights → an exported drafter directory (drafters/format.py).
 
 One export path for every way of training: ``export_checkpoint`` turns a training checkpoint
-(``specray train``'s or the Ray gang's) into an export; ``pipeline/jobs/onegpu.py`` turns its variant
-files into one through the same ``drafter_from_state`` and ``export_drafter``.
+(``specray train``'s or the Ray gang's, on any device) into an export through ``drafter_from_state``
+and ``export_drafter``.
 
 A checkpoint's ``extra`` holds what the export needs besides weights: the algorithm, the
 drafter config, the capture contract and the run's provenance. No target weights are needed:

@@ -1,10 +1,9 @@
 """The training core every driver shares: one step, one metrics record, one checkpoint save/resume.
 
 ``TrainRun`` is one rank's training state around a ``TrainerCore``: the optimizer step counter,
-tokens seen and metric records. ``specray train`` (``Trainer`` below), the Ray trainer gang
-(``actors/trainer.py``, which adds the ledger and Ray's checkpoint protocol) and the
-one-accelerator path (``pipeline/jobs/onegpu.py``) all train through ``TrainRun.train_step`` and
-checkpoint through ``TrainRun.save`` / ``TrainRun.load``.
+tokens seen and metric records. ``specray train`` (``Trainer`` below) and the Ray trainer gang
+(``actors/trainer.py``, which adds the ledger and Ray's checkpoint protocol) both train through
+``TrainRun.train_step`` and checkpoint through ``TrainRun.save`` / ``TrainRun.load``, on any device.
 
 A metrics record (every ``log_every`` steps, and whenever a driver flushes, e.g. before a
 checkpoint) holds: step, loss, lr, grad norm, tokens, tokens/s, the step time split into data
@@ -105,7 +104,7 @@ class TrainRun:
         result = self.core.train_step(batches, self.step)
         tokens = sum(b.num_tokens for b in batches)
         if self.core.distributed:
-            count = torch.tensor([tokens], dtype=torch.int64)
+            count = torch.tensor([tokens], dtype=torch.int64, device=self.core.device)
             dist.all_reduce(count)
             tokens = int(count)
         self.tokens_seen += tokens

@@ -225,7 +225,8 @@ def _capture(cfg: PipelineConfig, report: PipelineReport, progress: bool, *, reu
                           "store": cfg.store_uri, "reused": True}
         return shared
     summary = run_capture_on_ray(cfg.capture_job(), num_actors=cfg.capture.num_actors,
-                                 num_cpus_per_actor=cfg.capture.num_cpus_per_actor, progress=progress)
+                                 num_cpus_per_actor=cfg.capture.num_cpus_per_actor,
+                                 num_gpus_per_actor=cfg.capture.num_gpus_per_actor, progress=progress)
     local = read_manifest(summary.manifest)  # the capture job's, on this machine's disk
     write_manifest(shared, local.refs, contract=local.contract, store_uri=local.store_uri, metadata=local.metadata,
                    overwrite=True, endpoint_url=endpoint)
@@ -239,10 +240,11 @@ def _train_offline(cfg: PipelineConfig, manifest: str, report: PipelineReport, p
     from specray.actors.trainer import run_trainer_gang
 
     with _TrainProgress(cfg.train.optim.total_steps, progress) as on_record:
-        result = run_trainer_gang(cfg.train_job(manifest).train_spec(), num_workers=cfg.train.num_workers,
+        result = run_trainer_gang(cfg.train_job(manifest).train_spec(device_field="train.device"),
+                                  num_workers=cfg.train.num_workers,
                                   storage_path=cfg.train.storage or str(cfg.run_dir / "ray-train"),
                                   max_failures=cfg.train.max_failures, cpus_per_worker=cfg.train.cpus_per_worker,
-                                  on_record=on_record)
+                                  gpus_per_worker=cfg.train.gpus_per_worker, on_record=on_record)
     report.train = _train_summary(cfg, result)
     return result.checkpoint
 
@@ -351,7 +353,8 @@ def _train_online(cfg: PipelineConfig, report: PipelineReport, progress: bool) -
                                  contract=plan.contract, store_uri=cfg.store_uri, endpoint_url=cfg.store.endpoint_url)
     pool = CapturePool(cfg.target.name, plan.contract, cfg.store_uri, endpoint_url=cfg.store.endpoint_url,
                        num_actors=cfg.capture.num_actors, num_cpus_per_actor=cfg.capture.num_cpus_per_actor,
-                       target_dtype=cfg.target.dtype, chat_template=plan.target.chat_template)
+                       num_gpus_per_actor=cfg.capture.num_gpus_per_actor, target_dtype=cfg.target.dtype,
+                       target_device=cfg.target.device, chat_template=plan.target.chat_template)
     if dispatched:
         _adopt_leftovers(state, broker, pool.store, keys)
     producer = _Producer(pool, broker, plan, progress, skip=dispatched)
@@ -360,10 +363,11 @@ def _train_online(cfg: PipelineConfig, report: PipelineReport, progress: bool) -
         try:
             with _TrainProgress(steps, progress, position=1) as on_record:  # below the capture bar
                 # the gang renders (live evaluation) and fingerprints with the capture's chat template
-                spec = replace(train_job.train_spec(), chat_template=plan.target.chat_template)
+                spec = replace(train_job.train_spec(device_field="train.device"), chat_template=plan.target.chat_template)
                 result = run_trainer_gang(spec, num_workers=t.num_workers, storage_path=storage,
                                           ledger_uri=ledger_uri, broker=broker, max_failures=t.max_failures,
-                                          cpus_per_worker=t.cpus_per_worker, on_record=on_record)
+                                          cpus_per_worker=t.cpus_per_worker, gpus_per_worker=t.gpus_per_worker,
+                                          on_record=on_record)
         except Exception:
             producer.raise_error()  # a failed stream fails the gang: report the cause, not its echo
             raise
