@@ -349,12 +349,19 @@ class DrafterSectionBase(BaseModel):
         return self
 
 
+def target_config(target: Any):
+    """The target's transformers config: ``Target.config`` (set with any weights loaded, or none:
+    capture/target.py), or a duck-typed target's ``model.config``."""
+    config = getattr(target, "config", None)
+    return config if config is not None else target.model.config
+
+
 def target_sizes(target: Any) -> dict:
     """The target's shapes a drafter config defaults to: heads, KV heads, head dim, MLP width, norm
     eps, and its RoPE (``rope_theta``, ``rope_scaling``: transformers' rope parameters besides the
     theta, None for the default type, and ``max_position_embeddings``), from ``check_supported``:
     a drafter rotates by the target's rule (``drafters/rope.py``)."""
-    spec = check_supported(target.config)  # a Target with any weights loaded, or none (capture/target.py)
+    spec = check_supported(target_config(target))
     return {
         "num_heads": spec.num_heads,
         "num_kv_heads": spec.num_kv_heads,
@@ -368,7 +375,7 @@ def target_sizes(target: Any) -> dict:
 def target_rope(target: Any) -> dict:
     """A drafter config's RoPE fields for ``target``: ``rope_theta``, ``rope_scaling`` and
     ``max_position_embeddings`` (``target_sizes``)."""
-    rope = check_supported(target.config).rope
+    rope = check_supported(target_config(target)).rope
     return {"rope_theta": rope.theta, "rope_scaling": rope.scaling,
             "max_position_embeddings": rope.max_position_embeddings}
 

@@ -304,7 +304,8 @@ def whole_target_hook(spec: TrainSpec, factory: Callable[[Target], CheckpointHoo
 
     def hook(run: TrainRun) -> dict:
         if not made:
-            made.append(factory(load_target(spec.target, dtype=spec.target_dtype, device=device)))
+            made.append(factory(load_target(spec.target, dtype=spec.target_dtype, device=device,
+                                            chat_template=spec.chat_template)))
         return made[0](run)
 
     return hook

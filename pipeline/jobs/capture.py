@@ -148,7 +148,8 @@ def plan_capture(cfg: CaptureJobConfig) -> CapturePlan:
 
 def run_capture(cfg: CaptureJobConfig, *, progress: bool = True) -> CaptureSummary:
     plan = plan_capture(cfg)
-    target = load_target(cfg.target.name, dtype=cfg.target.dtype, device=cfg.target.device)
+    target = load_target(cfg.target.name, dtype=cfg.target.dtype, device=cfg.target.device,
+                         chat_template=plan.target.chat_template)  # the plan's chat template
     server = CaptureServer(target, plan.contract, open_store(cfg.store_uri, endpoint_url=cfg.store.endpoint_url))
     refs = []
     start = time.perf_counter()
