@@ -378,6 +378,31 @@ class DrafterSectionBase(BaseModel):
         return self
 
 
+# -- bounds of a drafter config (checked before an export is built, drafters/format.py) ----------
+
+MAX_DRAFT_LAYERS = 64  # decoder layers of a drafter, and captured target layers it reads
+MAX_TARGET_LAYER_ID = 1023  # the highest target decoder-layer id a config may name
+MAX_WIDTH_MULTIPLE = 16  # intermediate_size <= 16 D (Llama-family MLPs are 2.7-5.4 D)
+MAX_HEADS_MULTIPLE = 8  # num_heads, num_kv_heads, head_dim, num_heads * head_dim <= 8 D
+MAX_RANK_MULTIPLE = 8  # low-rank heads and codebooks: rank <= 8 D
+
+
+def size_limits(hidden_size: int, vocab_size: int) -> dict[str, tuple[float, float]]:
+    """Inclusive bounds of the fields every drafter config has, for a target of width ``D =
+    hidden_size`` and vocabulary ``V = vocab_size``: the embedding and LM head are the target's,
+    so ``hidden_size`` and ``vocab_size`` equal them; the sizes are positive and bounded by a
+    multiple of D (the constants above). A config's ``limits`` adds its own fields; element
+    bounds of ``target_layer_ids`` apply to each id (at most ``MAX_DRAFT_LAYERS`` of them)."""
+    D, V = hidden_size, vocab_size
+    return {
+        "hidden_size": (D, D), "vocab_size": (V, V), "num_layers": (1, MAX_DRAFT_LAYERS),
+        "num_heads": (1, MAX_HEADS_MULTIPLE * D), "num_kv_heads": (1, MAX_HEADS_MULTIPLE * D),
+        "head_dim": (1, MAX_HEADS_MULTIPLE * D), "intermediate_size": (1, MAX_WIDTH_MULTIPLE * D),
+        "draft_vocab_size": (1, V), "target_layer_ids": (0, MAX_TARGET_LAYER_ID),
+        "rms_norm_eps": (1e-12, 0.1), "rope_theta": (1.0, 1e12),
+    }
+
+
 def target_sizes(target: Any) -> dict:
     """The target's shapes a drafter config defaults to: heads, KV heads, head dim, MLP width, norm eps, RoPE theta."""
     tcfg = target.model.config

@@ -64,7 +64,11 @@ import torch.nn.functional as F
 from pydantic import Field, field_validator
 from torch import nn
 
-from specray.drafters.common import DrafterSectionBase, DraftVocabHead, Linear, RMSNorm, apply_rope, target_sizes
+from specray.drafters.common import (DrafterSectionBase, DraftVocabHead, Linear, RMSNorm, apply_rope, size_limits,
+                                     target_sizes)
+
+MAX_BLOCK_SIZE = 256  # B: block rows of one draft forward (DFlash uses 8-16)
+MAX_SLIDING_WINDOW = 1 << 20  # context positions a sliding drafter sees
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,13 @@ class DFlashConfig:
         if unknown:
             raise ValueError(f"unknown DFlash config keys {sorted(unknown)}; valid keys: {sorted(known)}")
         return cls(**data)
+
+    @classmethod
+    def limits(cls, hidden_size: int, vocab_size: int) -> dict[str, tuple[float, float]]:
+        """Inclusive bounds of the numeric fields for a target of width D and vocabulary V (drafters/common.py)."""
+        return {**size_limits(hidden_size, vocab_size), "mask_token_id": (0, vocab_size - 1),
+                "block_size": (2, MAX_BLOCK_SIZE), "sliding_window": (1, MAX_SLIDING_WINDOW),
+                "block_key_bias": (0.0, 1e4)}
 
 
 def default_mask_token_id(tokenizer) -> int:
