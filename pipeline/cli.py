@@ -2,7 +2,7 @@
 
     specray capture -c manifests/capture-quickstart.yaml [section.field=value …]
     specray train -c manifests/train-dflash-quickstart.yaml [section.field=value …]
-    specray export runs/train-dflash-quickstart [--out DIR] [--format speculators [--target NAME]]
+    specray export runs/train-dflash-quickstart [--out DIR] [--format speculators|sglang [--target NAME] [--verifier ID]]
     specray evaluate EXPORT_DIR --manifest runs/<held-out capture>/manifest.parquet [objective.field=value …]
     specray evaluate EXPORT_DIR --live [--dataset mtbench|humaneval|jsonl:PATH --num-prompts 16 --max-tokens 32]
     specray calibrate EXPORT_DIR --manifest runs/<held-out capture>/manifest.parquet   (DSpark: STS of its confidence)
@@ -57,17 +57,23 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from specray.trainer.export import export_checkpoint
 
     if args.format == "specray":
+        if args.verifier is not None:
+            raise ValueError("--verifier names the verifier in a peer format's config; use it with "
+                             "--format speculators or --format sglang")
         out = export_checkpoint(args.checkpoint, args.out)
         print(f"exported   {out}")
         return 0
-    from specray.drafters.peer import write_peer_export
+    from specray.trainer.export import write_peer_format
 
     source = Path(args.checkpoint)
     if not (source / "export.json").is_file():  # a checkpoint: our export first, where `specray export` puts it
         source = export_checkpoint(source)
         print(f"exported   {source}")
-    out = write_peer_export(source, args.out or f"{source}-speculators", target=args.target)
-    print(f"exported   {out} (speculators; serve it with `vllm serve {out}`)")
+    out, record = write_peer_format(args.format, source, args.out or f"{source}-{args.format}", target=args.target,
+                                    verifier=args.verifier)
+    print(f"exported   {out} ({record['format']}; verifier {record['verifier']})")
+    for command in record["serve_commands"]:
+        print(f"serve      {command}")
     return 0
 
 
@@ -364,11 +370,15 @@ def build_parser() -> argparse.ArgumentParser:
                                            "with --format speculators also an export directory")
     export.add_argument("--out", default=None, help="export directory (default <run_dir>/exports/step-N; "
                                                     "speculators: <export>-speculators)")
-    export.add_argument("--format", choices=("specray", "speculators"), default="specray",
+    export.add_argument("--format", choices=("specray", "speculators", "sglang"), default="specray",
                         help="specray: our serving format; speculators: the format vLLM and the speculators "
-                             "package load (drafters/peer.py)")
-    export.add_argument("--target", default=None, help="speculators: the target the drafter was trained for "
+                             "package load (drafters/peer.py); sglang: EAGLE-3 as LlamaForCausalLMEagle3, the "
+                             "DFlash family in z-lab's format, as SGLang loads them (drafters/sglang.py)")
+    export.add_argument("--target", default=None, help="peer formats: the target the drafter was trained for "
                                                        "(default: the one named in its export.json)")
+    export.add_argument("--verifier", default=None,
+                        help="peer formats: the verifier the config and model card name, a Hugging Face id or a path "
+                             "(default: the target's recorded name in export.json)")
     export.set_defaults(fn=_cmd_export)
 
     evaluate = sub.add_parser("evaluate", help="teacher-forced per-position accuracy of an export on a manifest "
