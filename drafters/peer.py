@@ -235,24 +235,24 @@ def ascending_fc(fc_weight: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
     return torch.cat([blocks[i] for i in sorted(range(len(layer_ids)), key=layer_ids.__getitem__)], dim=1)
 
 
+def peer_name(renames: tuple[tuple[str, str], ...], key: str, fmt: str) -> str:
+    """The peer's name of our state-dict key ``key`` (the first matching pattern of ``renames``; an
+    empty template: the peer has no such tensor, "")."""
+    for pattern, template in renames:
+        if re.fullmatch(pattern, key):
+            return re.sub(pattern, template, key) if template else ""
+    raise PeerFormatError(f"weight {key!r} has no name in the {fmt} format; the drafter has a module this "
+                          "specray cannot export (drafters/peer.py, drafters/sglang.py layouts)")
+
+
 def rename_state(renames: tuple[tuple[str, str], ...], state: dict[str, torch.Tensor], layer_ids: list[int],
                  fmt: str) -> dict[str, torch.Tensor]:
-    """The drafter's own weights under a peer's names (``renames``: first matching pattern wins, an
-    empty template drops the key), fc.weight's input blocks ascending (``draft_vocab`` is handled by
-    ``target_tensors``)."""
+    """The drafter's own weights under a peer's names (``peer_name``), fc.weight's input blocks
+    ascending (``draft_vocab`` is handled by ``target_tensors``)."""
     out: dict[str, torch.Tensor] = {}
     for key, tensor in state.items():
-        if key == "draft_vocab":
-            continue
-        for pattern, template in renames:
-            if re.fullmatch(pattern, key):
-                peer_key = re.sub(pattern, template, key) if template else ""
-                break
-        else:
-            raise PeerFormatError(f"weight {key!r} has no name in the {fmt} format; the drafter has a module this "
-                                  "specray cannot export (drafters/peer.py, drafters/sglang.py layouts)")
-        if peer_key:
-            out[peer_key] = tensor.detach().contiguous()
+        if key != "draft_vocab" and (name := peer_name(renames, key, fmt)):
+            out[name] = tensor.detach().contiguous()
     out["fc.weight"] = ascending_fc(out["fc.weight"], layer_ids).contiguous()
     return out
 

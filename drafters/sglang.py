@@ -25,8 +25,11 @@ order, so the ids are written ascending and fc.weight's input blocks follow. Wei
                                                and t2d all true (SpecForge's loader requires them)
 
 SGLang shares the target's embedding (not written) and reads the state itself as the first
-layer's residual: a drafter with ``norm_before_residual`` is refused. SpecForge's own
-``LlamaForCausalLMEagle3`` holds one draft layer (``midlayer``); SGLang reads any number.
+layer's residual: a drafter with ``norm_before_residual`` is refused. ``norm_output`` is not
+written: SGLang reads it as "feed the normed state to the next step" (default false), SpecForge as
+"normalise before the LM head" (default true), and both defaults are what ours computes.
+SpecForge's own ``LlamaForCausalLMEagle3`` (0.2.0, which loads this directory for fine-tuning)
+holds one draft layer (``midlayer``); SGLang reads any number.
 
 **DFlash, DSpark, DFlash 2** (z-lab's ``dflash`` package; SGLang's ``models/dflash.py``,
 ``models/dspark.py``). config.json is a complete ``Qwen3Config`` of the draft layers with
@@ -80,11 +83,12 @@ class SglangLayout:
 
 
 def _eagle3_fields(arch: dict, target: Target) -> dict:
-    # norm_output false: the state fed to the next draft step is the pre-norm sum, as ours
+    # No norm_output: SGLang reads it as "feed the normed state to the next step" (default false),
+    # SpecForge as "normalise before the LM head" (default true); both defaults are ours.
     return {"draft_vocab_size": arch["draft_vocab_size"] or arch["vocab_size"], "target_hidden_size": arch["hidden_size"],
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": sorted(arch["target_layer_ids"]),
                              "use_aux_hidden_state": True},
-            "norm_output": False, "norm_before_fc": False, "fc_norm": False}
+            "norm_before_fc": False, "fc_norm": False}
 
 
 def _eagle3_head(draft_vocab: torch.Tensor | None, head_weight: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -4,8 +4,10 @@
   export with ``from_pretrained`` and drafts our logits on the same features and tokens (max
   |Δ| <= 1e-4): DFlash's block logits, DFlash 2's unary logits and its selector's greedy path,
   DSpark's backbone (its heads are SGLang's, checked by name and config below).
-- EAGLE-3 as ``LlamaForCausalLMEagle3``: SGLang 0.5.23 does not import without CUDA, so the test
-  states its loader's rules (``sglang/srt/models/llama_eagle3.py::load_weights``, read from its
+- EAGLE-3 as ``LlamaForCausalLMEagle3``: SpecForge 0.2.0's ``LlamaForCausalLMEagle3`` (the layout
+  SpecForge exports for SGLang) loads the export's tensors by name and computes our logits at every
+  training-time-test step, run as SpecForge's trainer runs it (``backbone`` with its hidden cache).
+  SGLang 0.5.23 does not import without CUDA, so the test also states its loader's rules (``sglang/srt/models/llama_eagle3.py::load_weights``, read from its
   source) and applies them to the export: every tensor lands on a parameter SGLang builds from the
   config (it skips unknown names silently), every parameter it needs is written, ``d2t`` gives the
   draft vocabulary (``hot_token_id = d2t + arange``), the aux layer ids are decoder-layer outputs,
@@ -15,12 +17,14 @@
 
 import json
 import re
+import warnings
 from dataclasses import replace
 
 import pytest
 import torch
 from dflash import DFlash2DraftModel, DFlashDraftModel
 from safetensors.torch import load_file
+from transformers import LlamaConfig
 
 from specray.capture.contract import build_contract
 from specray.drafters import DRAFTERS
@@ -28,6 +32,10 @@ from specray.drafters.format import save_drafter
 from specray.drafters.peer import PeerFormatError
 from specray.drafters.sglang import write_sglang_export
 from specray.kernels.selector_walk import selector_walk_reference
+
+with warnings.catch_warnings():  # "flash_attn is not found, falling back to flex_attention": not used here
+    warnings.simplefilter("ignore", UserWarning)
+    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
 
 LAYER_IDS = (5, 1, 3)  # not ascending on purpose: both peers concatenate the captured layers ascending
 TOLERANCE = 1e-4
@@ -164,6 +172,32 @@ def test_what_sglang_cannot_express_is_refused(debug_target, tmp_path, algorithm
     assert not (tmp_path / "sglang").exists()
 
 
+def test_eagle3_export_loads_in_specforge_with_our_logits(debug_target, tmp_path):
+    model = _drafter(debug_target, "eagle3", draft_vocab_size=40)
+    model.set_draft_vocab(torch.randperm(debug_target.vocab_size, generator=torch.Generator().manual_seed(2))[:40])
+    out = _sglang(tmp_path, debug_target, model)
+    # SpecForge's loader (export/checkpoint_io.py materialize_draft): load_state_dict, the embedding left out
+    peer = LlamaForCausalLMEagle3(LlamaConfig.from_pretrained(out)).eval()
+    missing, unexpected = peer.load_state_dict(load_file(out / "model.safetensors"), strict=False)
+    assert (missing, unexpected) == (["embed_tokens.weight"], [])
+    hidden, ascending, ids = _inputs(debug_target, S=12)
+    S, steps = 12, 3
+    with torch.no_grad():
+        ours = model(hidden, ids, torch.ones(steps, 1, S, dtype=torch.bool))  # per step [S, V_d]
+        state = peer.project_hidden_states(ascending)
+        mask = peer.prepare_decoder_attention_mask(attention_mask=torch.ones(1, S, dtype=torch.bool),
+                                                   hidden_states=state, batch_size=1, seq_length=S,
+                                                   past_key_values_length=0)
+        cache, tokens = [[], []], torch.cat([ids[:, 1:], ids.new_zeros(1, 1)], dim=1)  # row t: state t, token t + 1
+        for step in range(steps):  # SpecForge's TTT loop (algorithms/eagle3/model.py)
+            embeds = debug_target.model.get_input_embeddings()(tokens)
+            state = peer.backbone(input_embeds=embeds, hidden_states=state, cache_hidden=cache, attention_mask=mask,
+                                  position_ids=torch.arange(S)[None], use_cache=True)
+            theirs = peer.compute_logits(state)[0]
+            assert ours[step].std() > 0.5 and (ours[step] - theirs).abs().max() <= TOLERANCE, step
+            tokens = torch.cat([tokens[:, 1:], tokens.new_zeros(1, 1)], dim=1)
+
+
 # -- EAGLE-3: SGLang's loader rules (sglang/srt/models/llama_eagle3.py, 0.5.23) ----------------------
 
 
@@ -213,7 +247,7 @@ def test_eagle3_export_follows_sglangs_loader(debug_target, tmp_path, vocab_size
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]  # outputs: SGLang captures i + 1
     assert config["num_hidden_layers"] == num_layers and config["tie_word_embeddings"] is False
     assert config["draft_vocab_size"] == (vocab_size or debug_target.vocab_size)
-    assert config["target_hidden_size"] == debug_target.hidden_size and config["norm_output"] is False
+    assert config["target_hidden_size"] == debug_target.hidden_size and "norm_output" not in config
     assert config["rope_theta"] == model.config.rope_theta  # the legacy key SGLang's rope config reads first
     tensors = load_file(out / "model.safetensors")
     resolved = sglang_eagle3_load(list(tensors), sglang_eagle3_parameters(config))
