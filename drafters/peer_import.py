@@ -134,8 +134,8 @@ def _decoder(layer: dict, path: Path, where: str) -> dict:
     heads = layer["num_attention_heads"]
     return {"hidden_size": layer["hidden_size"], "vocab_size": layer["vocab_size"],
             "num_layers": layer["num_hidden_layers"], "num_heads": heads,
-            "num_kv_heads": layer.get("num_key_value_heads") or heads,
-            "head_dim": layer.get("head_dim") or layer["hidden_size"] // heads,
+            "num_kv_heads": heads if layer.get("num_key_value_heads") is None else layer["num_key_value_heads"],
+            "head_dim": layer["hidden_size"] // max(heads, 1) if layer.get("head_dim") is None else layer["head_dim"],
             "intermediate_size": layer["intermediate_size"], "rms_norm_eps": layer["rms_norm_eps"],
             "rope_theta": float(rope.get("rope_theta", layer.get("rope_theta", 10000.0)))}
 
@@ -154,9 +154,16 @@ def _zlab_extras(draft: dict, path: Path) -> None:
         if float(draft.get(field, neutral)) != neutral:
             _refuse(path, f"dflash_config.{field}", draft[field], "specray's drafters read the target's embedding "
                                                                   "and LM head unscaled")
-    for field in ("final_logit_softcapping", "attention_sink_bias", "attention_value_scale", "projector_type"):
+    for field in ("final_logit_softcapping", "attention_sink_bias", "attention_value_scale"):
         if draft.get(field):
             _refuse(path, f"dflash_config.{field}", draft[field], "specray's DFlash family has no such part")
+    projector = draft.get("projector_type")
+    if projector == "dspark" and draft.get("sample_from_anchor") is not True:
+        _refuse(path, "dflash_config.projector_type", projector, "SpecForge's DSpark drafts from the block's MASK "
+                                                                 "rows only, specray's from every row (the anchor's "
+                                                                 "too: sample_from_anchor true)")
+    if projector not in (None, "dspark"):
+        _refuse(path, "dflash_config.projector_type", projector, "specray's DFlash family has no such projector")
 
 
 def _mask_token(draft: dict, config: dict, target: Target, path: Path) -> int:

@@ -3,6 +3,7 @@
     specray capture -c manifests/capture-quickstart.yaml [section.field=value …]
     specray train -c manifests/train-dflash-quickstart.yaml [section.field=value …]
     specray export runs/train-dflash-quickstart [--out DIR] [--format speculators|sglang [--target NAME] [--verifier ID]]
+    specray import PEER_DIR --out EXPORT [--target NAME]   (speculators, SGLang / SpecForge, z-lab drafters)
     specray evaluate EXPORT_DIR --manifest runs/<held-out capture>/manifest.parquet [objective.field=value …]
     specray evaluate EXPORT_DIR --live [--dataset mtbench|humaneval|jsonl:PATH --num-prompts 16 --max-tokens 32]
     specray calibrate EXPORT_DIR --manifest runs/<held-out capture>/manifest.parquet   (DSpark: STS of its confidence)
@@ -74,6 +75,25 @@ def _cmd_export(args: argparse.Namespace) -> int:
     print(f"exported   {out} ({record['format']}; verifier {record['verifier']})")
     for command in record["serve_commands"]:
         print(f"serve      {command}")
+    return 0
+
+
+def _cmd_import(args: argparse.Namespace) -> int:
+    import json
+
+    from specray.drafters.peer_import import import_peer, is_peer_directory
+
+    if not is_peer_directory(args.source):
+        if (Path(args.source) / "config.json").is_file():
+            raise ValueError(f"{args.source} is already a specray export; evaluate, serve or fine-tune it as it is")
+        raise FileNotFoundError(f"{args.source} has no config.json: give a drafter directory (speculators, SGLang / "
+                                "SpecForge or z-lab format)")
+    out = import_peer(args.source, args.out, target=args.target, capture_dtype=args.capture_dtype)
+    provenance = json.loads((out / "export.json").read_text())
+    config = json.loads((out / "config.json").read_text())
+    print(f"imported   {out} from {provenance['imported_format']} {config['algorithm']} ({args.source}) for "
+          f"{provenance['target']}: layers {config['capture_contract']['layer_ids']}")
+    print(f"checked    {'; '.join(provenance['import_checks'])}")
     return 0
 
 
@@ -380,6 +400,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="peer formats: the verifier the config and model card name, a Hugging Face id or a path "
                              "(default: the target's recorded name in export.json)")
     export.set_defaults(fn=_cmd_export)
+
+    imp = sub.add_parser("import", help="a drafter in a peer format (speculators, SGLang / SpecForge EAGLE-3, z-lab "
+                                        "DFlash family) as a specray export, checked against the target")
+    imp.add_argument("source", help="the peer drafter's directory (config.json + safetensors)")
+    imp.add_argument("--out", required=True, help="the export directory to write")
+    imp.add_argument("--target", default=None, help="the target it drafts for (default: the verifier a speculators "
+                                                    "config names; SGLang and z-lab configs name none)")
+    imp.add_argument("--capture-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                     help="the feature dtype its capture contract records (what a fine-tune's capture stores)")
+    imp.set_defaults(fn=_cmd_import)
 
     evaluate = sub.add_parser("evaluate", help="teacher-forced per-position accuracy of an export on a manifest "
                                                "(--manifest) and its live acceptance on the serving engine (--live)")
