@@ -354,7 +354,9 @@ class DrafterSectionBase(BaseModel):
 
     algorithm: str = Field(description="drafter to train; its features must be captured under its capture contract")
     init_from: str | None = Field(None, description="an export directory to start from (fine-tuning, e.g. on "
-                                                    "self-distilled data); its architecture must equal this section's")
+                                                    "self-distilled data), or a peer drafter's directory "
+                                                    "(speculators, SGLang / SpecForge, z-lab), imported first; its "
+                                                    "architecture must equal this section's")
     draft_vocab_size: int | None = Field(None, gt=0, description="draft over the V_d most frequent supervised tokens "
                                                                  "of the training manifest or draft_vocab_from "
                                                                  "(EAGLE-3's d2t; None = the target's whole "

@@ -25,6 +25,7 @@ exits with status 1; anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -100,9 +101,15 @@ def _cmd_import(args: argparse.Namespace) -> int:
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     import json
 
+    from specray.capture.store import read_manifest
+    from specray.drafters.peer_import import is_peer_directory
     from specray.pipeline.config import apply_overrides
     from specray.pipeline.jobs.train import evaluate_export
 
+    if is_peer_directory(args.export):  # imported under the dtype the features it is evaluated on are stored in
+        dtype = "bfloat16" if args.manifest is None else read_manifest(args.manifest, endpoint_url=args.endpoint_url) \
+            .contract.dtype
+        args.export = _drafter_dir(args.export, args.target, capture_dtype=dtype)
     if args.manifest is None and not args.live:  # the default: the target's own answers to held-out prompts
         from specray.pipeline.jobs.heldout import heldout_manifest
 
@@ -121,10 +128,29 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
               "(labels inside the drafter's vocabulary)")
     if args.live:
         result.update(_live_evaluation(args))
+    if os.access(args.export, os.W_OK):  # the export's evaluation.json and model card record it
+        from specray.drafters.card import record_evaluation
+
+        print(f"recorded   {record_evaluation(args.export, result)} (evaluation.json)")
+    else:
+        print(f"note       {args.export} is not writable: its model card does not record this evaluation")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def _drafter_dir(path: str, target_name: str, *, capture_dtype: str = "bfloat16") -> str:
+    """``path``, or the export a peer drafter's directory imports to for ``target_name`` (cached)."""
+    from specray.drafters.peer_import import as_export, is_peer_directory
+
+    if path is None or not is_peer_directory(path):
+        return path
+    from specray.capture.target import load_target
+
+    export = as_export(path, load_target(target_name), capture_dtype=capture_dtype)
+    print(f"imported   {path} -> {export}")
+    return str(export)
 
 
 def _live_evaluation(args: argparse.Namespace) -> dict:
@@ -169,7 +195,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
-    engine = Engine(load_target(args.target, dtype=args.dtype), args.drafter, max_batch=max(1, len(args.prompt)),
+    drafter = _drafter_dir(args.drafter, args.target)
+    engine = Engine(load_target(args.target, dtype=args.dtype), drafter, max_batch=max(1, len(args.prompt)),
                     max_len=args.max_len, **_speculation_options(args))
     start = time.perf_counter()
     outputs = engine.generate(args.prompt, params)
