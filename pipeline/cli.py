@@ -4,6 +4,7 @@
     specray train -c manifests/train-dflash-quickstart.yaml [section.field=value …]
     specray export runs/train-dflash-quickstart [--out DIR] [--format speculators|sglang [--target NAME] [--verifier ID]]
     specray import PEER_DIR --out EXPORT [--target NAME]   (speculators, SGLang / SpecForge, z-lab drafters)
+    specray push EXPORT --repo ID [--revision BRANCH] [--private]   (to the Hugging Face Hub, verified)
     specray evaluate EXPORT_DIR --manifest runs/<held-out capture>/manifest.parquet [objective.field=value …]
     specray evaluate EXPORT_DIR --live [--dataset mtbench|humaneval|jsonl:PATH --num-prompts 16 --max-tokens 32]
     specray calibrate EXPORT_DIR --manifest runs/<held-out capture>/manifest.parquet   (DSpark: STS of its confidence)
@@ -95,6 +96,27 @@ def _cmd_import(args: argparse.Namespace) -> int:
     print(f"imported   {out} from {provenance['imported_format']} {config['algorithm']} ({args.source}) for "
           f"{provenance['target']}: layers {config['capture_contract']['layer_ids']}")
     print(f"checked    {'; '.join(provenance['import_checks'])}")
+    return 0
+
+
+def _cmd_push(args: argparse.Namespace) -> int:
+    from huggingface_hub.errors import HfHubHTTPError
+
+    from specray.trainer.hub import PushVerificationError, push_export
+
+    try:
+        result = push_export(args.export, args.repo, revision=args.revision, private=args.private, token=args.token,
+                             endpoint=args.endpoint)
+    except HfHubHTTPError as e:  # refused by the Hub: a token, a repo id or a permission to fix
+        print(f"specray push: error: the Hub refused the push: {e}", file=sys.stderr)
+        return 2
+    except PushVerificationError as e:
+        print(f"specray push: verification failed: {e}", file=sys.stderr)
+        return 1
+    print(f"pushed     {args.export} -> {result.repo_id}@{result.revision} (commit {result.commit[:12]})")
+    for name, info in sorted(result.files.items()):
+        print(f"verified   {name:<24} {info['size']:>12} bytes  {info['sha256']}")
+    print(f"url        {result.url}")
     return 0
 
 
@@ -437,6 +459,16 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--capture-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                      help="the feature dtype its capture contract records (what a fine-tune's capture stores)")
     imp.set_defaults(fn=_cmd_import)
+
+    push = sub.add_parser("push", help="upload an export (ours or a peer format's) with its model card to a Hugging "
+                                       "Face Hub model repo, then verify every file's size and hash there")
+    push.add_argument("export", help="an export directory (specray export, with or without --format)")
+    push.add_argument("--repo", required=True, help="the model repo id, e.g. me/qwen3-8b-dflash (created if missing)")
+    push.add_argument("--revision", default=None, help="the branch to commit to (default main; created if missing)")
+    push.add_argument("--private", action="store_true", help="create the repo private")
+    push.add_argument("--token", default=None, help="a Hub token with write access (default $HF_TOKEN or the saved login)")
+    push.add_argument("--endpoint", default=None, help="the Hub's URL (default $HF_ENDPOINT, else huggingface.co)")
+    push.set_defaults(fn=_cmd_push)
 
     evaluate = sub.add_parser("evaluate", help="teacher-forced per-position accuracy of an export on a manifest "
                                                "(--manifest) and its live acceptance on the serving engine (--live)")
