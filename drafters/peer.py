@@ -451,10 +451,11 @@ def write_peer_export(export_dir: str | Path, out_dir: str | Path, *, target: Ta
     return write_directory(out, peer, tensors, record)
 
 
-def write_directory(out: Path, config: dict, tensors: dict[str, torch.Tensor], record: dict) -> Path:
+def write_directory(out: Path, config: dict, tensors: dict[str, torch.Tensor], record: dict,
+                    extra: dict[str, str] | None = None) -> Path:
     """Write a peer export atomically (a temporary sibling renamed into place): ``model.safetensors``,
-    ``config.json``, ``specray_export.json`` (``record`` and this file's sha256) and the model card,
-    every file readable by other users."""
+    ``config.json``, ``specray_export.json`` (``record`` and this file's sha256), the model card and
+    the ``extra`` files (name -> text), every file readable by other users."""
     from specray.drafters.card import render_card
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -464,6 +465,8 @@ def write_directory(out: Path, config: dict, tensors: dict[str, torch.Tensor], r
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         record = dict(record, weights_sha256=_sha256(tmp / "model.safetensors"))
         (tmp / PEER_RECORD).write_text(json.dumps(record, indent=2, default=str) + "\n")
+        for name, text in (extra or {}).items():
+            (tmp / name).write_text(text)
         (tmp / CARD_FILE).write_text(render_card(tmp))
         publish_directory(tmp, out)
     finally:

@@ -40,12 +40,15 @@ DFlash 2 adds ``conv_kernel_size``, ``conv_group_size``, ``selector_rank``, ``se
 DSpark adds its head fields (``markov_rank``, ``markov_head_type``, ``confidence_head_with_markov``,
 ``enable_confidence_head``, ``sample_from_anchor: true``) there and at the top level, where
 SGLang's head builder reads them. Weights are the speculators names (``drafters/peer.py``): the
-same in z-lab's and SGLang's loaders. Neither reads a draft vocabulary (the target's head
+same in z-lab's and SGLang's loaders. A calibrated DSpark export (``specray calibrate``) also gets
+``sts_calibration.json``: its confidence temperatures in SGLang's ``DSparkStsCalibration`` format,
+for ``--speculative-dspark-confidence-sts-path``. Neither reads a draft vocabulary (the target's head
 predicts), DFlash's learned block-key bias or its sliding attention: those are refused.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -70,7 +73,8 @@ class SglangLayout:
     - ``renames``: (pattern on our state-dict key, SGLang key template), first match wins;
     - ``fields``: (architecture, target) -> the format's own config fields;
     - ``target_tensors``: (draft vocabulary or None, the target head's weight) -> tensors of the target;
-    - ``refusals``: (architecture, state) -> what the format cannot express, one message each.
+    - ``refusals``: (architecture, state) -> what the format cannot express, one message each;
+    - ``extra_files``: (the loaded drafter, the source export) -> {file name: text} beside the weights.
     """
 
     architecture: str
@@ -80,6 +84,26 @@ class SglangLayout:
     fields: Callable[[dict, Target], dict]
     target_tensors: Callable[[torch.Tensor | None, torch.Tensor], dict[str, torch.Tensor]]
     refusals: Callable[[dict, dict[str, torch.Tensor]], list[str]]
+    extra_files: Callable[[torch.nn.Module, Path], dict[str, str]] = lambda model, source: {}
+
+
+STS_FILE = "sts_calibration.json"  # SGLang's --speculative-dspark-confidence-sts-path
+
+
+def _dspark_calibration(model: torch.nn.Module, source: Path) -> dict[str, str]:
+    """DSpark's confidence temperatures, when the export was calibrated (``specray calibrate``), in
+    SGLang's ``DSparkStsCalibration`` format (one temperature per draft position)."""
+    from specray.drafters.dspark import CALIBRATION_FILE, read_calibration
+
+    if not (source / CALIBRATION_FILE).is_file():
+        return {}
+    body = json.loads((source / CALIBRATION_FILE).read_text())
+    sts = {"temperatures": read_calibration(source, model.config.block_size),  # checked against the export
+           "dataset": str(body.get("manifest", "")), "num_samples": int(body.get("blocks", 0))}
+    for ours, theirs in (("ece_by_pos_before", "ece_before"), ("ece_by_pos_after", "ece_after")):
+        if isinstance(body.get(ours), list):
+            sts[theirs] = [float(v) for v in body[ours]]
+    return {STS_FILE: json.dumps(sts, indent=2) + "\n"}
 
 
 def _eagle3_fields(arch: dict, target: Target) -> dict:
@@ -175,7 +199,7 @@ SGLANG_LAYOUTS: dict[str, SglangLayout] = {
     "dspark": SglangLayout(
         architecture="DSparkDraftModel", algorithm="DSPARK", layer_config=Qwen3Config,
         renames=PEER_LAYOUTS["dspark"].renames, fields=_dspark_fields, target_tensors=_no_target_tensors,
-        refusals=_zlab_refusals,
+        refusals=_zlab_refusals, extra_files=_dspark_calibration,
     ),
 }
 
@@ -209,8 +233,10 @@ def write_sglang_export(export_dir: str | Path, out_dir: str | Path, *, target: 
     dtype = state["fc.weight"].dtype
     tensors = {**rename_state(layout.renames, state, list(arch["target_layer_ids"]), f"SGLang {layout.architecture}"),
                **layout.target_tensors(state.get("draft_vocab"), source.model.lm_head.weight.to(dtype))}
+    extra = layout.extra_files(source.model, source.path)
     serve = [f"python -m sglang.launch_server --model-path {source.verifier} --speculative-algorithm "
-             f"{layout.algorithm} --speculative-draft-model-path {out.name}"]
+             f"{layout.algorithm} --speculative-draft-model-path {out.name}"
+             + (f" --speculative-dspark-confidence-sts-path {out.name}/{STS_FILE}" if STS_FILE in extra else "")]
     record = peer_record(source, fmt=f"SGLang {SGLANG_VERSION} ({layout.architecture})", format_name="sglang",
                          serve_commands=serve)
-    return write_directory(out, sglang_config(layout, arch, source.target, dtype), tensors, record)
+    return write_directory(out, sglang_config(layout, arch, source.target, dtype), tensors, record, extra)

@@ -284,3 +284,22 @@ def test_cli_export_sglang_names_the_verifier(debug_target, tmp_path, capsys):
     assert "base_model: Qwen/Qwen3-8B" in (out / "README.md").read_text()
     assert main(["export", str(export), "--verifier", "x/y"]) == 2  # our format names no verifier
     assert "--verifier" in capsys.readouterr().err
+
+
+def test_a_calibrated_dspark_export_carries_sglangs_sts_file(debug_target, tmp_path):
+    from specray.drafters.dspark import write_calibration
+
+    model = _drafter(debug_target, "dspark")
+    export = _export(tmp_path, debug_target, model)
+    temperatures = [1.5, 0.8, 1.2, 2.0]
+    write_calibration(export, temperatures, {"manifest": "heldout.parquet", "blocks": 64,
+                                             "ece_by_pos_before": [0.2] * 4, "ece_by_pos_after": [0.05] * 4})
+    out = write_sglang_export(export, tmp_path / "sglang", target=debug_target)
+    sts = json.loads((out / "sts_calibration.json").read_text())  # SGLang's DSparkStsCalibration fields
+    assert sts == {"temperatures": temperatures, "dataset": "heldout.parquet", "num_samples": 64,
+                   "ece_before": [0.2] * 4, "ece_after": [0.05] * 4}
+    record = json.loads((out / "specray_export.json").read_text())
+    assert f"--speculative-dspark-confidence-sts-path sglang/sts_calibration.json" in record["serve_commands"][0]
+    uncalibrated = write_sglang_export(_export(tmp_path, debug_target, model, "plain"), tmp_path / "plain-sglang",
+                                       target=debug_target)
+    assert not (uncalibrated / "sts_calibration.json").exists()
