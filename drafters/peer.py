@@ -1,20 +1,25 @@
 """The peer export format: an export written as a ``speculators`` checkpoint, which vLLM loads.
 
-    specray export runs/x/exports/final --format speculators      # -> runs/x/exports/final-speculators
+    specray export runs/x/exports/final --format speculators [--verifier meta-llama/Llama-3.1-8B-Instruct]
     vllm serve runs/x/exports/final-speculators                     # the verifier its config names
 
 (or ``vllm serve TARGET --speculative-config '{"model": DIR, "method": "dflash"}'``: given only
 ``model``, vLLM guesses the method from the directory's name and falls back to a plain draft model.)
 
     <out>/config.json          speculators_model_type, a complete transformer_layer_config (vLLM
-                               fills in nothing), speculators_config (a greedy proposal of k
-                               tokens; the verifier), and the algorithm's fields
+                               fills in nothing; its RoPE both as rope_parameters and as the
+                               legacy top-level rope_theta / rope_scaling, ``rope_fields``),
+                               speculators_config (a greedy proposal of k tokens; the verifier:
+                               the name the user gives, else the target's recorded name, never a
+                               local cache path), and the algorithm's fields
     <out>/model.safetensors    the drafter's weights under the peer names; with a draft
                                vocabulary also d2t, t2d and lm_head.weight; the target's
                                embedding and LM head where the peer model reads them from it
     <out>/specray_export.json  our provenance: the source export's config.json (fingerprints,
                                capture contract) and export.json (sha256 of its weights), the
-                               target it was checked against, the sha256 of this model.safetensors
+                               target it was checked against, the verifier, how to serve it,
+                               the sha256 of this model.safetensors
+    <out>/README.md            the model card (drafters/card.py); every file readable by others
 
 Weights, ours -> peer (speculators 0.9.0 ``DFlashDraftModel`` / ``Eagle3DraftModel``)::
 
@@ -58,6 +63,11 @@ peer counts layer *inputs*, so the same tensor is ``i + 1`` there, listed ascend
 A drafter the peer model cannot express is refused (``PeerFormatError`` naming the field and
 the fix) rather than exported to give other logits: DFlash's learned in-block key bias and its
 sliding attention (vLLM slides the window per query row; ours ends at the block's anchor).
+
+The pieces the SGLang format (drafters/sglang.py) and the import (drafters/peer_import.py) share
+live here: ``load_source`` (an export checked against its target), ``peer_name`` /
+``rename_state`` (the name mapping), ``decoder_config`` (a complete transformers config of the
+draft layers) and ``write_directory`` (the atomic, readable directory with its card).
 """
 
 from __future__ import annotations
