@@ -75,7 +75,7 @@ def _rows(config: dict, export: dict, peer: dict | None, evaluation: dict, calib
     train = export.get("config") or {}
     data = (train.get("data") or {}).get("manifest") or export.get("imported_from")
     if data:
-        rows.append(("Data", f"`{data}`"))
+        rows.append(("Data", f"`{data}`" + (f" ({export['samples']} samples)" if export.get("samples") else "")))
     if export.get("step") is not None:
         budget = f"{export['step']} optimizer steps"
         if export.get("tokens_seen"):
