@@ -426,7 +426,8 @@ class DrafterSpec:
       subclass with ``algorithm: Literal["<name>"]`` and ``drafter_config(target, layer_ids)``);
     - ``config``: its model config dataclass (``to_dict()`` / ``from_dict()``, the export's
       ``architecture``; fields ``hidden_size``, ``vocab_size``, ``target_layer_ids``,
-      ``draft_vocab_size``);
+      ``draft_vocab_size``; ``limits(hidden_size, vocab_size)``: the inclusive bounds of every
+      numeric field, ``size_limits`` and the algorithm's own, checked before an export is built);
     - ``model``: its module, ``model(config, embed_tokens=, lm_head=)`` with a class attribute
       ``algorithm``, the target's embedding and LM head shared (not in its state dict), and
       ``DraftVocabHead``'s methods;

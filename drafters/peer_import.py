@@ -486,8 +486,9 @@ def as_export(path: str | Path, target: Target, *, capture_dtype: str = "bfloat1
     if not (out / "config.json").is_file():
         try:
             import_peer(path, out, target=target, capture_dtype=capture_dtype)
-        except FileExistsError:  # another process imported it first
-            pass
+        except OSError:  # the rename into place lost a race: fine when another process imported it first
+            if not (out / "config.json").is_file():
+                raise
     return out
 
 
