@@ -8,7 +8,8 @@
 
     <out>/config.json          speculators_model_type, a complete transformer_layer_config (vLLM
                                fills in nothing; its RoPE both as rope_parameters and as the
-                               legacy top-level rope_theta / rope_scaling, ``rope_fields``),
+                               legacy top-level rope_theta / rope_scaling, ``rope_fields``; the
+                               legacy keys also at the config's top level),
                                speculators_config (a greedy proposal of k tokens; the verifier:
                                the name the user gives, else the target's recorded name, never a
                                local cache path), and the algorithm's fields
@@ -344,6 +345,8 @@ def peer_config(layout: PeerLayout, arch: dict, target: Target, dtype: torch.dty
         "transformer_layer_config": layer_config(layout, arch, target, dtype),
         "draft_vocab_size": arch["draft_vocab_size"] or arch["vocab_size"],
         "target_hidden_size": arch["hidden_size"],
+        # the legacy RoPE keys at the top level too: a loader that reads the draft's RoPE there
+        **{k: v for k, v in rope_fields(arch).items() if k != "rope_parameters"},
         layout.layer_ids_field: peer_layer_ids(list(arch["target_layer_ids"])),
         **layout.fields(arch),
         "speculators_config": {

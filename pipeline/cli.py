@@ -26,7 +26,6 @@ exits with status 1; anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -122,6 +121,7 @@ def _cmd_push(args: argparse.Namespace) -> int:
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     import json
+    import os
 
     from specray.capture.store import read_manifest
     from specray.drafters.peer_import import is_peer_directory

@@ -197,10 +197,12 @@ def test_speculators_config_carries_the_legacy_rope_keys(debug_target, tmp_path)
     it, theta = 10000 and acceptance collapses without an error."""
     model = _dflash(debug_target, rope_theta=500000.0)
     out = write_peer_export(_export(tmp_path, debug_target, model), tmp_path / "peer", target=debug_target)
-    layer = json.loads((out / "config.json").read_text())["transformer_layer_config"]
+    config = json.loads((out / "config.json").read_text())
+    layer = config["transformer_layer_config"]
     assert layer["rope_theta"] == 500000.0 and layer["rope_parameters"] == {"rope_type": "default",
                                                                             "rope_theta": 500000.0}
-    assert "rope_scaling" not in layer  # the default type has no scaling fields
+    assert config["rope_theta"] == 500000.0  # and at the top level
+    assert "rope_scaling" not in layer and "rope_scaling" not in config  # the default type has no scaling fields
 
 
 def test_rope_fields_write_a_scaled_rope_in_both_encodings():
