@@ -436,9 +436,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export", help="turn a training checkpoint into a drafter directory for serving")
     export.add_argument("checkpoint", help="a run dir (its latest checkpoint), a checkpoints dir, or a step-* dir; "
-                                           "with --format speculators also an export directory")
+                                           "with a peer --format also an export directory")
     export.add_argument("--out", default=None, help="export directory (default <run_dir>/exports/step-N; "
-                                                    "speculators: <export>-speculators)")
+                                                    "a peer format: <export>-<format>)")
     export.add_argument("--format", choices=("specray", "speculators", "sglang"), default="specray",
                         help="specray: our serving format; speculators: the format vLLM and the speculators "
                              "package load (drafters/peer.py); sglang: EAGLE-3 as LlamaForCausalLMEagle3, the "
