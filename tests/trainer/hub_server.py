@@ -2,7 +2,7 @@
 (trainer/hub.py, through huggingface_hub 2.4) calls; what it stores it serves back, so a push can
 be verified against it. Loopback only, in memory, a thread per request.
 
-    server = MockHub(token="hf_test")            # http://127.0.0.1:<port>
+    server = MockHub(token="hf_test")            # http://127.0.0.1:<port>; or: python tests/trainer/hub_server.py --token hf_test
     HF_ENDPOINT=$server.url HF_HUB_DISABLE_XET=1 specray push EXPORT --repo me/drafter --token hf_test
 
 Endpoints (model repos): ``POST /api/repos/create``, ``POST /api/validate-yaml``,
@@ -244,3 +244,16 @@ class MockHub:
         form = json.loads(body) if "json" in content_type else {k: v for k, v in parse_qs(body.decode()).items()}
         paths = form.get("paths", [])
         return 200, [self._entry(p, *files[p]) for p in paths if p in files]
+
+
+if __name__ == "__main__":  # python tests/trainer/hub_server.py --token hf_local: serves until Ctrl-C
+    import argparse
+
+    parser = argparse.ArgumentParser(description="a local Hub-API server for `specray push` (in memory)")
+    parser.add_argument("--token", required=True, help="the token clients must send")
+    hub = MockHub(token=parser.parse_args().token)
+    print(f"HF_ENDPOINT={hub.url} HF_HUB_DISABLE_XET=1 specray push EXPORT --repo me/drafter --token ...", flush=True)
+    try:
+        hub.thread.join()
+    except KeyboardInterrupt:
+        hub.close()
