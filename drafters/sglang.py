@@ -166,7 +166,7 @@ def _zlab_refusals(arch: dict, state: dict[str, torch.Tensor]) -> list[str]:
     if arch.get("attention") == "sliding":
         reasons.append("drafter.attention=sliding: SGLang and z-lab slide the window per query row, specray's ends "
                        "at the block's anchor; train with drafter.attention=full to export it for SGLang")
-    if arch.get("draft_vocab_size") is not None:
+    if arch.get("draft_vocab_size") not in (None, arch["vocab_size"]):  # all V ids: the whole vocabulary
         reasons.append("drafter.draft_vocab_size: SGLang's and z-lab's DFlash-family drafts predict over the target's "
                        "whole vocabulary with its LM head; train with drafter.draft_vocab_size=null to export it for "
                        "SGLang, or export it as speculators (vLLM reads a draft vocabulary)")

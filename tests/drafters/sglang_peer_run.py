@@ -21,9 +21,11 @@ def main(request_path: str, result_path: str) -> None:
     k = request["num_speculative_tokens"]
     options = dict(model_path=request["target"], skip_tokenizer_init=True, dtype="float32", random_seed=0,
                    attention_backend="triton", disable_cuda_graph=True, mem_fraction_static=0.5)
-    if request["drafter"]:
+    if request["drafter"]:  # k drafts per round: EAGLE-3 a chain of k steps, the DFlash family a block of k + 1
         options.update(speculative_algorithm=request["algorithm"], speculative_draft_model_path=request["drafter"],
-                       speculative_num_steps=k, speculative_eagle_topk=1, speculative_num_draft_tokens=k + 1)
+                       speculative_num_draft_tokens=k + 1)
+        if request["algorithm"] == "EAGLE3":
+            options.update(speculative_num_steps=k, speculative_eagle_topk=1)
     engine = sglang.Engine(**options)
     params = {"temperature": 0.0, "max_new_tokens": request["max_tokens"], "stop_token_ids": [request["eos"]]}
     outputs = engine.generate(input_ids=request["prompts"], sampling_params=params)

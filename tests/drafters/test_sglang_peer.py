@@ -1,12 +1,13 @@
-"""SGLang serves our SGLang-format EAGLE-3 export (drafters/sglang.py): the check on a GPU.
+"""SGLang serves our SGLang-format exports (drafters/sglang.py), EAGLE-3 and DFlash: the check on a GPU.
 
 SGLang 0.5.23 imports only with CUDA (sgl-kernel, flashinfer), so this runs where a Python with
 SGLang and a GPU is named by ``$SGLANG_PYTHON`` (skipped otherwise):
 
     SGLANG_PYTHON=/opt/sglang/bin/python timeout 3600 .venv/bin/python -m pytest tests/drafters/test_sglang_peer.py -q -s
 
-The EAGLE-3 drafter of tests/drafters/test_vllm_peer.py memorises the target's greedy answers to
-three MT-Bench prompts; SGLang loads its export (tests/drafters/sglang_peer_run.py) with the
+The drafters of tests/drafters/test_vllm_peer.py memorise the target's greedy answers to three
+MT-Bench prompts (DFlash over the whole vocabulary: SGLang's DFlash has no draft vocabulary);
+SGLang loads each export (tests/drafters/sglang_peer_run.py) with the
 embedded target's directory as ``--model-path``. SGLang skips a weight whose name its loader does
 not know, so a wrong name shows as acceptance near 1 token per round: the check is that SGLang's
 speculative output equals its plain greedy output (lossless) and that it accepts at least 80 % of
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specray.capture.contract import build_contract, eagle3_layer_ids
+from specray.capture.contract import build_contract
 from specray.drafters.format import save_drafter
 from specray.drafters.sglang import write_sglang_export
 from specray.serving.engine import Engine
@@ -32,11 +33,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600),
               pytest.mark.skipif(not SGLANG_PYTHON, reason="needs $SGLANG_PYTHON: a Python with sglang 0.5.23 "
                                                            "on a CUDA machine")]
 
-from test_vllm_peer import K, MAX_TOKENS, _memorise_eagle3, answers  # noqa: E402,F401  (answers: a fixture)
+from test_vllm_peer import K, MAX_TOKENS, MEMORISE, answers  # noqa: E402,F401  (answers: a fixture)
+
+ALGORITHMS = {"eagle3": "EAGLE3", "dflash": "DFLASH"}  # ours -> --speculative-algorithm
 
 
-def _sglang(target, drafter: Path | None, prompts, tmp_path: Path) -> dict:
-    request = {"target": str(target.path), "drafter": str(drafter) if drafter else None, "algorithm": "EAGLE3",
+def _sglang(target, drafter: Path | None, algorithm: str, prompts, tmp_path: Path) -> dict:
+    request = {"target": str(target.path), "drafter": str(drafter) if drafter else None, "algorithm": algorithm,
                "num_speculative_tokens": K, "prompts": prompts, "max_tokens": MAX_TOKENS,
                "eos": target.tokenizer.eos_token_id}
     name = "drafter" if drafter else "plain"
@@ -46,12 +49,15 @@ def _sglang(target, drafter: Path | None, prompts, tmp_path: Path) -> dict:
     return json.loads((tmp_path / f"{name}-result.json").read_text())
 
 
-def test_sglang_serves_the_eagle3_export(smollm2, answers, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_sglang_serves_the_export(smollm2, answers, tmp_path, algorithm):  # noqa: F811
     prompts, answers = answers
-    layer_ids = eagle3_layer_ids(smollm2.num_layers)
+    memorise, default_layer_ids = MEMORISE[algorithm]
+    layer_ids = default_layer_ids(smollm2.num_layers)
     sequences = [torch.tensor(p + a) for p, a in zip(prompts, answers)]
-    model = _memorise_eagle3(smollm2, sequences, [len(p) for p in prompts], layer_ids, torch.unique(torch.cat(sequences)))
-    contract = build_contract("eagle3", target_fingerprint=smollm2.target_fingerprint,
+    vocab = torch.arange(smollm2.vocab_size) if algorithm == "dflash" else torch.unique(torch.cat(sequences))
+    model = memorise(smollm2, sequences, [len(p) for p in prompts], layer_ids, vocab)
+    contract = build_contract(algorithm, target_fingerprint=smollm2.target_fingerprint,
                               template_fingerprint=smollm2.template_fingerprint, num_target_layers=smollm2.num_layers,
                               hidden_size=smollm2.hidden_size, layer_ids=layer_ids)
     export = save_drafter(tmp_path / "export", model, contract=json.loads(contract.to_json()),
@@ -61,8 +67,8 @@ def test_sglang_serves_the_eagle3_export(smollm2, answers, tmp_path):  # noqa: F
     engine = Engine(smollm2, str(export), max_batch=1, num_speculative_tokens=K, speculation="static")
     ours = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
     ours_accept = sum(len(o.token_ids) for o in ours) / sum(o.rounds for o in ours)
-    plain = _sglang(smollm2, None, prompts, tmp_path)
-    speculative = _sglang(smollm2, out, prompts, tmp_path)
-    print(f"\nEAGLE-3 tokens per round: ours {ours_accept:.2f}, SGLang {speculative['accept_length']:.2f}")
+    plain = _sglang(smollm2, None, ALGORITHMS[algorithm], prompts, tmp_path)
+    speculative = _sglang(smollm2, out, ALGORITHMS[algorithm], prompts, tmp_path)
+    print(f"\n{algorithm} tokens per round: ours {ours_accept:.2f}, SGLang {speculative['accept_length']:.2f}")
     assert speculative["token_ids"] == plain["token_ids"]
     assert speculative["accept_length"] >= 0.8 * ours_accept and ours_accept > 1.5
