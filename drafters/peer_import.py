@@ -131,11 +131,13 @@ def _decoder(layer: dict, path: Path, where: str) -> dict:
     kind = rope.get("rope_type") or rope.get("type") or "default"
     if kind != "default":
         _refuse(path, f"{where}rope_parameters.rope_type", kind, "specray's drafter configs hold rope_theta only")
-    heads = layer["num_attention_heads"]
-    return {"hidden_size": layer["hidden_size"], "vocab_size": layer["vocab_size"],
+    heads, width, head_dim = layer["num_attention_heads"], layer["hidden_size"], layer.get("head_dim")
+    if head_dim is None and isinstance(heads, int) and isinstance(width, int) and heads > 0:
+        head_dim = width // heads  # transformers' default; a bad value is named by check_architecture
+    return {"hidden_size": width, "vocab_size": layer["vocab_size"],
             "num_layers": layer["num_hidden_layers"], "num_heads": heads,
             "num_kv_heads": heads if layer.get("num_key_value_heads") is None else layer["num_key_value_heads"],
-            "head_dim": layer["hidden_size"] // max(heads, 1) if layer.get("head_dim") is None else layer["head_dim"],
+            "head_dim": head_dim,
             "intermediate_size": layer["intermediate_size"], "rms_norm_eps": layer["rms_norm_eps"],
             "rope_theta": float(rope.get("rope_theta", layer.get("rope_theta", 10000.0)))}
 
