@@ -9,6 +9,10 @@ drafter config, the capture contract and the run's provenance. No target weights
 the shared embedding and LM head are stood in for by meta-device modules of the same shape.
 A checkpoint on ``s3://`` (the gang's storage on a cluster) is fetched to a temporary
 directory first (fsspec; endpoint from ``endpoint_url`` or ``$SPECRAY_S3_ENDPOINT``).
+
+``write_peer_format`` writes an export in a peer format (``PEER_FORMATS``: ``speculators`` for
+vLLM, drafters/peer.py; ``sglang``, drafters/sglang.py), naming the verifier the user gives;
+``trainer/hub.py`` pushes either kind to the Hub.
 """
 
 from __future__ import annotations
