@@ -2,7 +2,7 @@
 
     specray capture -c manifests/capture-quickstart.yaml [section.field=value …]
     specray train -c manifests/train-dflash-quickstart.yaml [section.field=value …]
-    specray export runs/train-dflash-quickstart [--out DIR] [--format speculators|sglang [--target NAME] [--verifier ID]]
+    specray export runs/train-dflash-quickstart [--out DIR] [--format speculators|sglang [--verifier ID]]
     specray import PEER_DIR --out EXPORT [--target NAME]   (speculators, SGLang / SpecForge, z-lab drafters)
     specray push EXPORT --repo ID [--revision BRANCH] [--private]   (to the Hugging Face Hub, verified)
     specray evaluate EXPORT_DIR --manifest runs/<held-out capture>/manifest.parquet [objective.field=value …]

@@ -7,12 +7,13 @@
 - EAGLE-3 as ``LlamaForCausalLMEagle3``: SpecForge 0.2.0's ``LlamaForCausalLMEagle3`` (the layout
   SpecForge exports for SGLang) loads the export's tensors by name and computes our logits at every
   training-time-test step, run as SpecForge's trainer runs it (``backbone`` with its hidden cache).
-  SGLang 0.5.23 does not import without CUDA, so the test also states its loader's rules (``sglang/srt/models/llama_eagle3.py::load_weights``, read from its
-  source) and applies them to the export: every tensor lands on a parameter SGLang builds from the
-  config (it skips unknown names silently), every parameter it needs is written, ``d2t`` gives the
-  draft vocabulary (``hot_token_id = d2t + arange``), the aux layer ids are decoder-layer outputs,
-  ascending, with fc.weight's input blocks in that order. tests/drafters/sglang_peer_run.py is the
-  check on a GPU with SGLang installed.
+  SGLang 0.5.23 does not import without CUDA, so the test also states its loader's rules
+  (``sglang/srt/models/llama_eagle3.py::load_weights``, read from its source) and applies them to
+  the export: every tensor lands on a parameter SGLang builds from the config (it skips unknown
+  names silently), every parameter it needs is written, ``d2t`` gives the draft vocabulary
+  (``hot_token_id = d2t + arange``), the aux layer ids are decoder-layer outputs, ascending, with
+  fc.weight's input blocks in that order. tests/drafters/test_sglang_peer.py is the check on a GPU
+  with SGLang installed.
 """
 
 import json

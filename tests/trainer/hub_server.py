@@ -2,7 +2,8 @@
 (trainer/hub.py, through huggingface_hub 2.4) calls; what it stores it serves back, so a push can
 be verified against it. Loopback only, in memory, a thread per request.
 
-    server = MockHub(token="hf_test")            # http://127.0.0.1:<port>; or: python tests/trainer/hub_server.py --token hf_test
+    server = MockHub(token="hf_test")            # http://127.0.0.1:<port>
+    python tests/trainer/hub_server.py --token hf_test   # the same, as a process (prints the push command)
     HF_ENDPOINT=$server.url HF_HUB_DISABLE_XET=1 specray push EXPORT --repo me/drafter --token hf_test
 
 Endpoints (model repos): ``POST /api/repos/create``, ``POST /api/validate-yaml``,
@@ -11,8 +12,9 @@ Endpoints (model repos): ``POST /api/repos/create``, ``POST /api/validate-yaml``
 /lfs/verify``), ``POST /api/models/{repo}/commit/{rev}`` (ndjson), ``GET
 /api/models/{repo}/tree/{rev}`` and ``POST /api/models/{repo}/paths-info/{rev}``. Binary files and
 ``*.safetensors`` go through LFS, as on the Hub. Every request needs ``Authorization: Bearer
-<token>`` (401 otherwise), but an LFS upload, whose URL is presigned as the Hub's are. ``corrupt`` names paths whose stored content the server alters after a
-commit (a lying store: the push's verification must catch it).
+<token>`` (401 otherwise), but an LFS upload, whose URL is presigned as the Hub's are. ``corrupt``
+names paths whose stored content the server alters after a commit (a lying store: the push's
+verification must catch it).
 """
 
 from __future__ import annotations
