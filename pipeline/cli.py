@@ -2,7 +2,9 @@
 
     specray capture -c manifests/capture-quickstart.yaml [section.field=value …]
     specray train -c manifests/train-dflash-quickstart.yaml [section.field=value …]
-    specray export runs/train-dflash-quickstart [--out DIR] [--format speculators [--target NAME]]
+    specray export runs/train-dflash-quickstart [--out DIR] [--format speculators|sglang [--verifier ID]]
+    specray import PEER_DIR --out EXPORT [--target NAME]   (speculators, SGLang / SpecForge, z-lab drafters)
+    specray push EXPORT --repo ID [--revision BRANCH] [--private]   (to the Hugging Face Hub, verified)
     specray evaluate EXPORT_DIR --manifest runs/<held-out capture>/manifest.parquet [objective.field=value …]
     specray evaluate EXPORT_DIR --live [--dataset mtbench|humaneval|jsonl:PATH --num-prompts 16 --max-tokens 32]
     specray calibrate EXPORT_DIR --manifest runs/<held-out capture>/manifest.parquet   (DSpark: STS of its confidence)
@@ -58,26 +60,79 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from specray.trainer.export import export_checkpoint
 
     if args.format == "specray":
+        if args.verifier is not None:
+            raise ValueError("--verifier names the verifier in a peer format's config; use it with "
+                             "--format speculators or --format sglang")
         out = export_checkpoint(args.checkpoint, args.out)
         print(f"exported   {out}")
         return 0
-    from specray.drafters.peer import write_peer_export
+    from specray.trainer.export import write_peer_format
 
     source = Path(args.checkpoint)
     if not (source / "export.json").is_file():  # a checkpoint: our export first, where `specray export` puts it
         source = export_checkpoint(source)
         print(f"exported   {source}")
-    out = write_peer_export(source, args.out or f"{source}-speculators", target=args.target)
-    print(f"exported   {out} (speculators; serve it with `vllm serve {out}`)")
+    out, record = write_peer_format(args.format, source, args.out or f"{source}-{args.format}", target=args.target,
+                                    verifier=args.verifier)
+    print(f"exported   {out} ({record['format']}; verifier {record['verifier']})")
+    for command in record["serve_commands"]:
+        print(f"serve      {command}")
+    return 0
+
+
+def _cmd_import(args: argparse.Namespace) -> int:
+    import json
+
+    from specray.drafters.peer_import import import_peer, is_peer_directory
+
+    if not is_peer_directory(args.source):
+        if (Path(args.source) / "config.json").is_file():
+            raise ValueError(f"{args.source} is already a specray export; evaluate, serve or fine-tune it as it is")
+        raise FileNotFoundError(f"{args.source} has no config.json: give a drafter directory (speculators, SGLang / "
+                                "SpecForge or z-lab format)")
+    out = import_peer(args.source, args.out, target=args.target, capture_dtype=args.capture_dtype)
+    provenance = json.loads((out / "export.json").read_text())
+    config = json.loads((out / "config.json").read_text())
+    print(f"imported   {out} from {provenance['imported_format']} {config['algorithm']} ({args.source}) for "
+          f"{provenance['target']}: layers {config['capture_contract']['layer_ids']}")
+    print(f"checked    {'; '.join(provenance['import_checks'])}")
+    return 0
+
+
+def _cmd_push(args: argparse.Namespace) -> int:
+    from huggingface_hub.errors import HfHubHTTPError
+
+    from specray.trainer.hub import PushVerificationError, push_export
+
+    try:
+        result = push_export(args.export, args.repo, revision=args.revision, private=args.private, token=args.token,
+                             endpoint=args.endpoint)
+    except HfHubHTTPError as e:  # refused by the Hub: a token, a repo id or a permission to fix
+        print(f"specray push: error: the Hub refused the push: {e}", file=sys.stderr)
+        return 2
+    except PushVerificationError as e:
+        print(f"specray push: verification failed: {e}", file=sys.stderr)
+        return 1
+    print(f"pushed     {args.export} -> {result.repo_id}@{result.revision} (commit {result.commit[:12]})")
+    for name, info in sorted(result.files.items()):
+        print(f"verified   {name:<24} {info['size']:>12} bytes  {info['sha256']}")
+    print(f"url        {result.url}")
     return 0
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     import json
+    import os
 
+    from specray.capture.store import read_manifest
+    from specray.drafters.peer_import import is_peer_directory
     from specray.pipeline.config import apply_overrides
     from specray.pipeline.jobs.train import evaluate_export
 
+    if is_peer_directory(args.export):  # imported under the dtype the features it is evaluated on are stored in
+        dtype = "bfloat16" if args.manifest is None else read_manifest(args.manifest, endpoint_url=args.endpoint_url) \
+            .contract.dtype
+        args.export = _drafter_dir(args.export, args.target, capture_dtype=dtype)
     if args.manifest is None and not args.live:  # the default: the target's own answers to held-out prompts
         from specray.pipeline.jobs.heldout import heldout_manifest
 
@@ -96,10 +151,29 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
               "(labels inside the drafter's vocabulary)")
     if args.live:
         result.update(_live_evaluation(args))
+    if os.access(args.export, os.W_OK):  # the export's evaluation.json and model card record it
+        from specray.drafters.card import record_evaluation
+
+        print(f"recorded   {record_evaluation(args.export, result)} (evaluation.json)")
+    else:
+        print(f"note       {args.export} is not writable: its model card does not record this evaluation")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def _drafter_dir(path: str, target_name: str, *, capture_dtype: str = "bfloat16") -> str:
+    """``path``, or the export a peer drafter's directory imports to for ``target_name`` (cached)."""
+    from specray.drafters.peer_import import as_export, is_peer_directory
+
+    if path is None or not is_peer_directory(path):
+        return path
+    from specray.capture.target import load_target
+
+    export = as_export(path, load_target(target_name), capture_dtype=capture_dtype)
+    print(f"imported   {path} -> {export}")
+    return str(export)
 
 
 def _live_evaluation(args: argparse.Namespace) -> dict:
@@ -137,7 +211,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
-    engine = Engine(load_target(args.target, dtype=args.dtype), args.drafter, max_batch=max(1, len(args.prompt)),
+    drafter = _drafter_dir(args.drafter, args.target)
+    engine = Engine(load_target(args.target, dtype=args.dtype), drafter, max_batch=max(1, len(args.prompt)),
                     max_len=args.max_len, **_speculation_options(args))
     start = time.perf_counter()
     outputs = engine.generate(args.prompt, params)
@@ -368,15 +443,39 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export", help="turn a training checkpoint into a drafter directory for serving")
     export.add_argument("checkpoint", help="a run dir (its latest checkpoint), a checkpoints dir, or a step-* dir; "
-                                           "with --format speculators also an export directory")
+                                           "with a peer --format also an export directory")
     export.add_argument("--out", default=None, help="export directory (default <run_dir>/exports/step-N; "
-                                                    "speculators: <export>-speculators)")
-    export.add_argument("--format", choices=("specray", "speculators"), default="specray",
+                                                    "a peer format: <export>-<format>)")
+    export.add_argument("--format", choices=("specray", "speculators", "sglang"), default="specray",
                         help="specray: our serving format; speculators: the format vLLM and the speculators "
-                             "package load (drafters/peer.py)")
-    export.add_argument("--target", default=None, help="speculators: the target the drafter was trained for "
+                             "package load (drafters/peer.py); sglang: EAGLE-3 as LlamaForCausalLMEagle3, the "
+                             "DFlash family in z-lab's format, as SGLang loads them (drafters/sglang.py)")
+    export.add_argument("--target", default=None, help="peer formats: the target the drafter was trained for "
                                                        "(default: the one named in its export.json)")
+    export.add_argument("--verifier", default=None,
+                        help="peer formats: the verifier the config and model card name, a Hugging Face id or a path "
+                             "(default: the target's recorded name in export.json)")
     export.set_defaults(fn=_cmd_export)
+
+    imp = sub.add_parser("import", help="a drafter in a peer format (speculators, SGLang / SpecForge EAGLE-3, z-lab "
+                                        "DFlash family) as a specray export, checked against the target")
+    imp.add_argument("source", help="the peer drafter's directory (config.json + safetensors)")
+    imp.add_argument("--out", required=True, help="the export directory to write")
+    imp.add_argument("--target", default=None, help="the target it drafts for (default: the verifier a speculators "
+                                                    "config names; SGLang and z-lab configs name none)")
+    imp.add_argument("--capture-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                     help="the feature dtype its capture contract records (what a fine-tune's capture stores)")
+    imp.set_defaults(fn=_cmd_import)
+
+    push = sub.add_parser("push", help="upload an export (ours or a peer format's) with its model card to a Hugging "
+                                       "Face Hub model repo, then verify every file's size and hash there")
+    push.add_argument("export", help="an export directory (specray export, with or without --format)")
+    push.add_argument("--repo", required=True, help="the model repo id, e.g. me/qwen3-8b-dflash (created if missing)")
+    push.add_argument("--revision", default=None, help="the branch to commit to (default main; created if missing)")
+    push.add_argument("--private", action="store_true", help="create the repo private")
+    push.add_argument("--token", default=None, help="a Hub token with write access (default $HF_TOKEN or the saved login)")
+    push.add_argument("--endpoint", default=None, help="the Hub's URL (default $HF_ENDPOINT, else huggingface.co)")
+    push.set_defaults(fn=_cmd_push)
 
     evaluate = sub.add_parser("evaluate", help="teacher-forced per-position accuracy of an export on a manifest "
                                                "(--manifest) and its live acceptance on the serving engine (--live)")

@@ -38,8 +38,9 @@ from specray.capture.store import open_fs
 log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
-# drafters/format.py's export directory, and the calibration file `specray calibrate` may add (DSpark)
-EXPORT_FILES = ("config.json", "export.json", "model.safetensors", "calibration.json")
+# drafters/format.py's export directory (its model card included), and the files `specray calibrate`
+# (DSpark) and `specray evaluate` may add
+EXPORT_FILES = ("config.json", "export.json", "model.safetensors", "README.md", "calibration.json", "evaluation.json")
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 
 

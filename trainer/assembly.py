@@ -17,7 +17,8 @@ the whole target: it is loaded on that device at the first checkpoint (``whole_t
 
 Also here: the checks that features fit the drafter (``check_capture_fits``), the draft
 vocabulary counted once from the training manifest or ``drafter.draft_vocab_from``
-(``prepare_draft_vocab``) and starting from an export (``drafter.init_from``).
+(``prepare_draft_vocab``) and starting from an export (``drafter.init_from``; a peer drafter's
+directory is imported first, ``drafters/peer_import.py``).
 """
 
 from __future__ import annotations
@@ -115,12 +116,17 @@ class RankParts:
 
 
 def _keeps_export_vocab(drafter: DrafterSectionBase) -> bool:
-    """True when ``drafter.init_from`` supplies the draft vocabulary (an export with one of the same size)."""
+    """True when ``drafter.init_from`` supplies the draft vocabulary (an export, or a peer drafter
+    directory, with one of the same size)."""
     from specray.drafters.format import read_drafter_config
+    from specray.drafters.peer_import import is_peer_directory, peer_summary
 
     if not drafter.init_from:
         return False
-    size = read_drafter_config(drafter.init_from)["architecture"].get("draft_vocab_size")
+    if is_peer_directory(drafter.init_from):
+        size = peer_summary(drafter.init_from)["draft_vocab_size"]
+    else:
+        size = read_drafter_config(drafter.init_from)["architecture"].get("draft_vocab_size")
     return size is not None and size == drafter.draft_vocab_size
 
 
@@ -271,8 +277,11 @@ def build_rank(spec: TrainSpec, contract: CaptureContract, *, rank: int = 0, wor
     expected = expected_contract(spec.algorithm, target, contract)
     model_cfg = spec.drafter.drafter_config(target, expected.layer_ids)
     model = fresh_drafter(model_cfg, strategy, target, seed=spec.seed)
-    if spec.drafter.init_from:
-        _init_from_export(model, model_cfg, spec.drafter.init_from, target, contract)
+    if spec.drafter.init_from:  # a peer drafter directory (speculators, SGLang, z-lab) is imported first
+        from specray.drafters.peer_import import as_export
+
+        source = as_export(spec.drafter.init_from, target, capture_dtype=contract.dtype)
+        _init_from_export(model, model_cfg, str(source), target, contract)
     if model_cfg.draft_vocab_size is not None and not _keeps_export_vocab(spec.drafter):
         if draft_vocab is None:
             raise ValueError("drafter.draft_vocab_size is counted from drafter.draft_vocab_from or a training manifest "

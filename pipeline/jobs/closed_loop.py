@@ -163,7 +163,7 @@ def derived_config(cfg: PipelineConfig, *, name: str, mode: str, run_dir: Path, 
 def _initial(cfg: PipelineConfig, registry, state: _LoopState, progress: bool, resume: bool) -> dict:
     """The first drafter, published as the first version; recorded in the state."""
     if cfg.train.drafter.init_from:
-        export, how = str(Path(cfg.train.drafter.init_from).resolve()), "train.drafter.init_from"
+        export, how = _imported(cfg, str(Path(cfg.train.drafter.init_from).resolve())), "train.drafter.init_from"
         check_starts_from(cfg.train.drafter, export)
     else:
         sub = derived_config(cfg, name=f"{cfg.name}-initial", mode="offline", run_dir=cfg.run_dir / "initial")
@@ -174,6 +174,18 @@ def _initial(cfg: PipelineConfig, registry, state: _LoopState, progress: bool, r
     initial = {"export": export, "version": registry.publish(export), "made_by": how}
     state.update(initial=initial)
     return initial
+
+
+def _imported(cfg: PipelineConfig, path: str) -> str:
+    """``path``, or the export a peer drafter's directory imports to (drafters/peer_import.py), for the
+    target and capture dtype of the loop (what every iteration captures and trains on)."""
+    from specray.drafters.peer_import import as_export, is_peer_directory
+
+    if not is_peer_directory(path):
+        return path
+    from specray.capture.target import load_target
+
+    return str(as_export(path, load_target(cfg.target.name), capture_dtype=cfg.capture.dtype))
 
 
 def check_starts_from(section, export: str) -> None:

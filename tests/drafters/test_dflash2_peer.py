@@ -41,7 +41,8 @@ def _export(tmp_path, target, model):
 
 def test_dflash2_speculators_parity(debug_target, tmp_path, monkeypatch):
     model = _drafter(debug_target)
-    out = write_peer_export(_export(tmp_path, debug_target, model), tmp_path / "peer", target=debug_target)
+    out = write_peer_export(_export(tmp_path, debug_target, model), tmp_path / "peer", target=debug_target,
+                            verifier_name_or_path=str(debug_target.path))
     config = json.loads((out / "config.json").read_text())
     assert config["speculators_model_type"] == "dflash2" and config["selector_top_k"] == 4
     peer_config = DFlash2DraftModel.config_class.from_pretrained(out)
@@ -76,5 +77,6 @@ def test_dflash2_with_a_draft_vocabulary_is_refused(debug_target, tmp_path):
     model = _drafter(debug_target, draft_vocab_size=40)
     model.set_draft_vocab(torch.arange(40))
     with pytest.raises(PeerFormatError, match="draft_vocab_size"):
-        write_peer_export(_export(tmp_path, debug_target, model), tmp_path / "peer", target=debug_target)
+        write_peer_export(_export(tmp_path, debug_target, model), tmp_path / "peer", target=debug_target,
+                          verifier_name_or_path=str(debug_target.path))
     assert not (tmp_path / "peer").exists()

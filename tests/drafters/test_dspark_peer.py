@@ -51,7 +51,8 @@ def _ascending(hidden):
 @pytest.mark.parametrize("head, with_markov", [("gated", True), ("rnn", True), ("vanilla", False)])
 def test_dspark_speculators_parity(debug_target, tmp_path, monkeypatch, head, with_markov):
     model = _dspark(debug_target, markov_head_type=head, confidence_head_with_markov=with_markov)
-    out = write_peer_export(_export(tmp_path, debug_target, model), tmp_path / "peer", target=debug_target)
+    out = write_peer_export(_export(tmp_path, debug_target, model), tmp_path / "peer", target=debug_target,
+                            verifier_name_or_path=str(debug_target.path))
     config = DSparkDraftModel.config_class.from_pretrained(out)
     config.transformer_layer_config._attn_implementation = "eager"
     peer = DSparkDraftModel.from_pretrained(out, config=config).eval()
@@ -78,7 +79,8 @@ def test_dspark_speculators_parity(debug_target, tmp_path, monkeypatch, head, wi
 
 def test_dspark_speculators_config_and_weights(debug_target, tmp_path):
     model = _dspark(debug_target, markov_head_type="rnn", markov_rank=8)
-    out = write_peer_export(_export(tmp_path, debug_target, model), tmp_path / "peer", target=debug_target)
+    out = write_peer_export(_export(tmp_path, debug_target, model), tmp_path / "peer", target=debug_target,
+                            verifier_name_or_path=str(debug_target.path))
     config = json.loads((out / "config.json").read_text())
     assert config["speculators_model_type"] == "dspark" and config["sample_from_anchor"] is True
     assert (config["markov_rank"], config["markov_head_type"]) == (8, "rnn")
@@ -94,4 +96,5 @@ def test_dspark_speculators_config_and_weights(debug_target, tmp_path):
 def test_dspark_refuses_what_the_peer_cannot_express(debug_target, tmp_path):
     model = _dspark(debug_target, block_key_bias=4.0)
     with pytest.raises(PeerFormatError, match=r"drafter\.block_key_bias"):
-        write_peer_export(_export(tmp_path, debug_target, model), tmp_path / "peer", target=debug_target)
+        write_peer_export(_export(tmp_path, debug_target, model), tmp_path / "peer", target=debug_target,
+                          verifier_name_or_path=str(debug_target.path))
