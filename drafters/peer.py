@@ -347,8 +347,10 @@ def peer_config(layout: PeerLayout, arch: dict, target: Target, dtype: torch.dty
         "transformer_layer_config": layer_config(layout, arch, target, dtype),
         "draft_vocab_size": arch["draft_vocab_size"] or arch["vocab_size"],
         "target_hidden_size": arch["hidden_size"],
-        # the legacy RoPE keys at the top level too: a loader that reads the draft's RoPE there
+        # the legacy RoPE keys at the top level too: a loader that reads the draft's RoPE there (with the
+        # length transformers' RoPE standardisation reads beside rope_scaling)
         **{k: v for k, v in rope_fields(arch).items() if k != "rope_parameters"},
+        "max_position_embeddings": arch.get("max_position_embeddings") or target.config.max_position_embeddings,
         layout.layer_ids_field: peer_layer_ids(list(arch["target_layer_ids"])),
         **layout.fields(arch),
         "speculators_config": {

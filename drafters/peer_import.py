@@ -42,6 +42,7 @@ from safetensors.torch import load_file
 
 from specray.capture.contract import build_contract, eagle3_layer_ids
 from specray.capture.target import Target, cache_dir, load_target
+from specray.drafters.rope import ROPE_TYPES
 from specray.drafters import get_drafter
 from specray.drafters.card import PEER_RECORD
 from specray.drafters.format import (MAX_CONFIG_BYTES, check_architecture, load_drafter, read_safetensors_header,
@@ -129,8 +130,11 @@ def _decoder(layer: dict, path: Path, where: str) -> dict:
                                                                 "with plain RMSNorm and full rotary")
     rope = layer.get("rope_parameters") or layer.get("rope_scaling") or {}
     kind = rope.get("rope_type") or rope.get("type") or "default"
-    if kind != "default":
-        _refuse(path, f"{where}rope_parameters.rope_type", kind, "specray's drafter configs hold rope_theta only")
+    if kind not in ROPE_TYPES:
+        _refuse(path, f"{where}rope_parameters.rope_type", kind, f"specray's drafters compute RoPE types {list(ROPE_TYPES)}")
+    # the type's fields besides theta (our drafter config's rope_scaling; None for the default type)
+    scaling = None if kind == "default" else {**{k: v for k, v in rope.items() if k not in ("rope_theta", "type")},
+                                              "rope_type": kind}
     heads, width, head_dim = layer["num_attention_heads"], layer["hidden_size"], layer.get("head_dim")
     if head_dim is None and isinstance(heads, int) and isinstance(width, int) and heads > 0:
         head_dim = width // heads  # transformers' default; a bad value is named by check_architecture
@@ -139,7 +143,8 @@ def _decoder(layer: dict, path: Path, where: str) -> dict:
             "num_kv_heads": heads if layer.get("num_key_value_heads") is None else layer["num_key_value_heads"],
             "head_dim": head_dim,
             "intermediate_size": layer["intermediate_size"], "rms_norm_eps": layer["rms_norm_eps"],
-            "rope_theta": float(rope.get("rope_theta", layer.get("rope_theta", 10000.0)))}
+            "rope_theta": float(rope.get("rope_theta", layer.get("rope_theta", 10000.0))), "rope_scaling": scaling,
+            "max_position_embeddings": layer.get("max_position_embeddings")}
 
 
 def _full_attention(layer: dict, path: Path, where: str) -> None:
@@ -191,7 +196,8 @@ def default_zlab_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
 
 
 def _dflash_family(algorithm: str, arch: dict, draft: dict, config: dict, path: Path, sample_from_anchor) -> dict:
-    arch = dict(arch, attention="full", sliding_window=None, block_key_bias=0.0)
+    # the MASK id is the one the peer's config names (choose_mask_token's "config" origin)
+    arch = dict(arch, attention="full", sliding_window=None, block_key_bias=0.0, mask_token_origin="config")
     if algorithm == "dspark":
         if sample_from_anchor is False:
             _refuse(path, "sample_from_anchor", False, "specray's DSpark drafts from every block row, the anchor's too")

@@ -98,11 +98,13 @@ def _dspark_calibration(model: torch.nn.Module, source: Path) -> dict[str, str]:
     if not (source / CALIBRATION_FILE).is_file():
         return {}
     body = json.loads((source / CALIBRATION_FILE).read_text())
-    sts = {"temperatures": read_calibration(source, model.config.block_size),  # checked against the export
+    # SGLang reads one table, DSpark's overlap 1 - TV (the paper's confidence target): our sampling table
+    sts = {"temperatures": read_calibration(source, model.config.block_size)["sampling"],  # checked against the export
            "dataset": str(body.get("manifest", "")), "num_samples": int(body.get("blocks", 0))}
+    sampling = (body.get("modes") or {}).get("sampling", {})
     for ours, theirs in (("ece_by_pos_before", "ece_before"), ("ece_by_pos_after", "ece_after")):
-        if isinstance(body.get(ours), list):
-            sts[theirs] = [float(v) for v in body[ours]]
+        if isinstance(sampling.get(ours), list):
+            sts[theirs] = [float(v) for v in sampling[ours]]
     return {STS_FILE: json.dumps(sts, indent=2) + "\n"}
 
 

@@ -154,8 +154,9 @@ def _init_from_export(model: nn.Module, model_cfg, export_dir: str, target: Targ
                           template_fingerprint=target.template_fingerprint, contract=expected)
     have, want = source.config.to_dict(), model_cfg.to_dict()
     keys = set(have) if warm else set(have) | set(want)
+    not_architecture = {"draft_vocab_size", "mask_token_origin"}  # a head restriction; how the MASK id was chosen
     diffs = ", ".join(f"{k}: export {have.get(k)!r} vs config {want.get(k)!r}"
-                      for k in sorted(keys) if have.get(k) != want.get(k) and k != "draft_vocab_size")
+                      for k in sorted(keys) if have.get(k) != want.get(k) and k not in not_architecture)
     if diffs:
         raise ValueError(f"drafter.init_from={export_dir} has another architecture ({diffs}); set the drafter "
                          "section to match the export")

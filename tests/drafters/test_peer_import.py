@@ -225,7 +225,7 @@ def test_specforge_eagle3_for_sglang_imports_and_exports_back(debug_target, tmp_
     (lambda c: c.update(layer_types=["sliding_attention", "full_attention"], sliding_window=8), "layer_types"),
     (lambda c: c["dflash_config"].update(output_multiplier=2.0), "dflash_config.output_multiplier"),
     (lambda c: c.update(attention_bias=True), "attention_bias"),
-    (lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}),
+    (lambda c: c.update(rope_parameters={"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e6}),
      "rope_parameters.rope_type"),
     (lambda c: c.update(num_target_layers=32), "num_target_layers = 32"),
     (lambda c: c["dflash_config"].update(target_layer_ids=[1, 3, 9]), "reads target layers"),

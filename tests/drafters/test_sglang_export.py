@@ -292,9 +292,11 @@ def test_a_calibrated_dspark_export_carries_sglangs_sts_file(debug_target, tmp_p
 
     model = _drafter(debug_target, "dspark")
     export = _export(tmp_path, debug_target, model)
-    temperatures = [1.5, 0.8, 1.2, 2.0]
-    write_calibration(export, temperatures, {"manifest": "heldout.parquet", "blocks": 64,
-                                             "ece_by_pos_before": [0.2] * 4, "ece_by_pos_after": [0.05] * 4})
+    temperatures = [1.5, 0.8, 1.2, 2.0]  # SGLang takes the sampling table (DSpark's overlap 1 - TV)
+    write_calibration(export, {"greedy": [0.1, 0.2, 0.3, 0.4], "sampling": temperatures},
+                      {"manifest": "heldout.parquet", "blocks": 64,
+                       "modes": {"greedy": {"ece_by_pos_before": [0.9] * 4, "ece_by_pos_after": [0.01] * 4},
+                                 "sampling": {"ece_by_pos_before": [0.2] * 4, "ece_by_pos_after": [0.05] * 4}}})
     out = write_sglang_export(export, tmp_path / "sglang", target=debug_target)
     sts = json.loads((out / "sts_calibration.json").read_text())  # SGLang's DSparkStsCalibration fields
     assert sts == {"temperatures": temperatures, "dataset": "heldout.parquet", "num_samples": 64,
