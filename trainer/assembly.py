@@ -31,6 +31,7 @@ from specray.trainer.core import OptimSettings, TrainerCore
 from specray.trainer.loader import FeatureLoader
 from specray.trainer.loop import CheckpointHook, Trainer, TrainRun
 from specray.trainer.strategies import get_strategy
+from specray.trainer.tracking import Tracker, TrackingSettings, open_tracker
 from specray.trainer.vocab import (RENDER_MAX_LENGTH, DraftVocabulary, dataset_vocabulary, draft_vocabulary,
                                    is_dataset_spec)
 
@@ -58,6 +59,7 @@ class TrainSpec:
     keep_last: int | None  # checkpoints kept (None = all)
     config: dict  # the job's whole config as JSON, recorded in every checkpoint's provenance
     live_eval: Any = None  # serving/live_eval.py LiveEvalSettings: measured at each checkpoint (None = off)
+    tracking: TrackingSettings | None = None  # trainer/tracking.py: rank 0 logs every metrics record (None = off)
 
     @property
     def algorithm(self) -> str:
@@ -258,6 +260,13 @@ def feature_loader(spec: TrainSpec, manifest: Manifest, store, expected: Capture
                          max_length=spec.max_length)
 
 
+def rank_tracker(spec: TrainSpec, rank: int) -> Tracker | None:
+    """Rank 0's experiment tracker of ``spec.tracking`` (None on other ranks or when none is configured)."""
+    if rank != 0:
+        return None
+    return open_tracker(spec.tracking, run_name=spec.name, config=spec.config, run_dir=spec.run_dir)
+
+
 def build_trainer(spec: TrainSpec, *, rank: int = 0, world_size: int = 1,
                   checkpoint_hook: Callable[[Target], CheckpointHook] | None = None) -> Trainer:
     """``specray train``'s rank: a ``Trainer`` on the spec's manifest; refuses features of another
@@ -275,5 +284,6 @@ def build_trainer(spec: TrainSpec, *, rank: int = 0, world_size: int = 1,
     loader = feature_loader(spec, manifest, store, parts.expected, rank=rank, world_size=world_size)
     run = TrainRun(parts.core, log_every=spec.log_every, extra=parts.extra)
     hook = checkpoint_hook(parts.target) if checkpoint_hook is not None and rank == 0 else None
+    run.tracker = rank_tracker(spec, rank)
     return Trainer(run, loader, run_dir=spec.run_dir, total_steps=spec.optim.total_steps,
                    checkpoint_every=spec.checkpoint_every, keep_last=spec.keep_last, on_checkpoint=hook)

@@ -70,6 +70,7 @@ def _run_rank(rank: int, cfg: TrainJobConfig, world_size: int, port: int | None,
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    trainer = None
     try:
         trainer = build_trainer(cfg, rank=rank, world_size=world_size)
         start = trainer.resume() if cfg.output.resume else 0
@@ -89,6 +90,8 @@ def _run_rank(rank: int, cfg: TrainJobConfig, world_size: int, port: int | None,
         (cfg.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         return summary
     finally:
+        if trainer is not None:
+            trainer.run.close()  # the tracker's files complete
         if world_size > 1:
             dist.destroy_process_group()
 
@@ -100,6 +103,8 @@ def _spawned(rank: int, cfg: TrainJobConfig, world_size: int, port: int, progres
 def run_training(cfg: TrainJobConfig, *, progress: bool = True) -> TrainSummary:
     """Train ``cfg``; features captured for another algorithm are refused before anything trains."""
     spec = cfg.train_spec()
+    if spec.tracking is not None:
+        spec.tracking.check_installed()
     if spec.manifest is not None:
         check_manifest_fits(spec, read_manifest(spec.manifest, endpoint_url=spec.endpoint_url).contract)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,7 @@ def test_ray_job_submit_quickstart_with_tiny_override(ray_cluster, tmp_path):
     run_dir = tmp_path / "quickstart"
     entrypoint = " ".join(["specray", "pipeline", "run", "-q", "manifests/quickstart.yaml", *TINY,
                            "train.drafter.draft_vocab_size=128",  # the debug target has 259 tokens
+                           f"train.tracking.tensorboard={run_dir / 'tensorboard'}",
                            f"output.run_dir={run_dir}", f"serve.http.port={free_port()}"])
     job = subprocess.run(["ray", "job", "submit", "--address", ray_cluster.dashboard_url, "--working-dir", ".",
                           "--", *entrypoint.split()], capture_output=True, text=True, timeout=600)
@@ -46,6 +47,10 @@ def test_ray_job_submit_quickstart_with_tiny_override(ray_cluster, tmp_path):
     assert report["train"]["steps"] == 4
     assert report["train"]["tau_live"] >= 1.0 and len(report["train"]["live_accept_by_pos"]) == 7  # train.live_eval
     assert (run_dir / "train" / "metrics.jsonl").exists() and os.path.exists(report["train"]["curves"])
+    from tracking_support import tensorboard_scalars  # the gang's rank 0 logged to train.tracking's TensorBoard
+
+    logged = tensorboard_scalars(run_dir / "tensorboard")
+    assert sorted(logged["loss"]) == [1, 2, 3, 4] and logged["tau_live"][4] == pytest.approx(report["train"]["tau_live"])
     assert report["serve"]["version"] == 1 and report["serve"]["smoke_requests"] == 2
     assert (run_dir / "exports" / "final" / "model.safetensors").exists()
     architecture = json.loads((run_dir / "exports" / "final" / "config.json").read_text())["architecture"]
@@ -180,7 +185,13 @@ def _kill_driver_after_a_checkpoint(ray_cluster, manifest: str, overrides: list[
         time.sleep(0.5)
 
 
-def test_online_pipeline_resumes_after_its_driver_is_killed(ray_cluster, tmp_path):
+@pytest.mark.parametrize("resume_overrides, bound", [
+    pytest.param([], 6, id="same-gang"),
+    # Q = 2 -> 4: one pass is 10 windows of 4, but the resumed gang is at step >= 2 already; its
+    # target counts the samples left (2 + 9 or more steps), not the pass at the new Q.
+    pytest.param(["train.optim.micro_batch_size=4", "online.max_inflight_samples=8"], 8, id="larger-gang"),
+])
+def test_online_pipeline_resumes_after_its_driver_is_killed(ray_cluster, tmp_path, resume_overrides, bound):
     """SIGKILL the driver after the first checkpoint; ``--resume`` finishes the stream exactly once."""
     from specray.pipeline.jobs.pipeline import run_pipeline
     from specray.trainer.ledger import Ledger
@@ -198,17 +209,19 @@ def test_online_pipeline_resumes_after_its_driver_is_killed(ray_cluster, tmp_pat
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"another dataset's features")
 
-    cfg = load_config(PipelineConfig, "manifests/online.yaml", overrides)
+    cfg = load_config(PipelineConfig, "manifests/online.yaml", [*overrides, *resume_overrides])
     report, _ = run_pipeline(cfg, progress=False, resume=True)
     online = report.online
-    _assert_exactly_once(online)
+    _assert_exactly_once(online)  # none missing: the resumed gang trained every sample left
     assert all(path.read_bytes() == b"another dataset's features" for path in foreign)
     dispatched_before = {r.sample_id for refs in before.windows.values() for r in refs}
     assert online["resumed_dispatched"] == len(dispatched_before) > 0
     # the resumed producer captured only what the first driver never dispatched
     assert online["capture"]["samples"] == online["audit"]["trained"] - len(dispatched_before)
-    assert len(Ledger(online["ledger"]).replay().attempts) >= 2  # the killed run's attempt and the resumed one
-    assert online["peak_inflight_samples"] <= 6
+    attempts = Ledger(online["ledger"]).replay().attempts
+    assert len(attempts) >= 2  # the killed run's attempt and the resumed one
+    assert attempts[max(attempts)]["quantum"] == (4 if resume_overrides else 2)
+    assert online["peak_inflight_samples"] <= bound
 
 
 def test_offline_pipeline_resumes_after_its_driver_is_killed(ray_cluster, tmp_path):
