@@ -24,6 +24,7 @@ from specray.serving.recorder import RecordSettings
 from specray.trainer.assembly import TrainSpec, check_capture_fits
 from specray.trainer.core import OptimSettings
 from specray.trainer.strategies import get_strategy
+from specray.trainer.tracking import TrackingSettings
 from specray.pipeline.config_loading import ConfigError, apply_overrides, load_config  # noqa: F401 (re-exported)
 
 
@@ -241,52 +242,8 @@ def _live_eval_field() -> Any:
                  description="live acceptance at each checkpoint: held-out prompts on the serving engine")
 
 
-class WandbSection(Section):
-    project: str = Field(..., min_length=1, description="W&B project")
-    mode: Literal["online", "offline", "disabled"] = Field(
-        "offline", description="offline: runs written under dir, to `wandb sync` later; online: sent to W&B as they run")
-    dir: str | None = Field(None, description="where W&B writes its run files (None = the train run dir)")
-
-
-class MlflowSection(Section):
-    uri: str = Field(..., min_length=1, description="MLflow tracking URI: file:PATH (a local file store), "
-                                                    "http(s)://server, sqlite:///PATH, ...")
-    experiment: str = Field("specray", min_length=1, description="MLflow experiment (created if missing)")
-
-    @field_validator("uri")
-    @classmethod
-    def _absolute_file_store(cls, value: str) -> str:
-        """A file store as an absolute file:// URI (rank 0 may run in another directory)."""
-        if value.startswith("file:"):
-            return Path(value.removeprefix("file://").removeprefix("file:")).resolve().as_uri()
-        if ":" not in value:
-            raise ValueError(f"{value!r} is not a tracking URI; for a local file store write file:{value}")
-        return value
-
-
-class TrackingSection(Section):
-    """Experiment trackers (trainer/tracking.py): rank 0 logs every metrics record; each is off when null."""
-
-    tensorboard: str | None = Field(None, description="TensorBoard log dir (tensorboardX event files)")
-    wandb: WandbSection | None = Field(None, description="Weights & Biases: {project, mode, dir}")
-    mlflow: MlflowSection | None = Field(None, description="MLflow: {uri, experiment}")
-
-    def settings(self):
-        """The plain settings a trainer rank gets, local paths absolute (None when every tracker is off)."""
-        from specray.trainer.tracking import MlflowSettings, TrackingSettings, WandbSettings
-
-        if self.tensorboard is None and self.wandb is None and self.mlflow is None:
-            return None
-        w, m = self.wandb, self.mlflow
-        return TrackingSettings(
-            tensorboard=_absolute(self.tensorboard) if self.tensorboard is not None else None,
-            wandb=WandbSettings(w.project, w.mode, _absolute(w.dir) if w.dir else None) if w is not None else None,
-            mlflow=MlflowSettings(m.uri, m.experiment) if m is not None else None,
-        )
-
-
 def _tracking_field() -> Any:
-    return Field(default_factory=TrackingSection,
+    return Field(default_factory=TrackingSettings,
                  description="experiment tracking: TensorBoard, W&B and MLflow, each off by default")
 
 
@@ -306,7 +263,7 @@ class TrainJobConfig(JobConfig):
     optim: OptimSection = OptimSection()
     trainer: TrainerSection = TrainerSection()
     live_eval: LiveEvalSection = _live_eval_field()
-    tracking: TrackingSection = _tracking_field()
+    tracking: TrackingSettings = _tracking_field()
     output: TrainOutputSection = TrainOutputSection()
 
     _drafter = field_validator("drafter", mode="before")(classmethod(_drafter_section))
@@ -327,7 +284,7 @@ class TrainJobConfig(JobConfig):
             endpoint_url=self.data.endpoint_url, max_length=self.data.max_length,
             world_size=t.world_size, log_every=t.log_every, checkpoint_every=t.checkpoint_every,
             keep_last=t.keep_last, config=self.model_dump(mode="json"), live_eval=self.live_eval.settings(),
-            tracking=self.tracking.settings(),
+            tracking=self.tracking if self.tracking.enabled else None,
         )
 
 
@@ -353,7 +310,7 @@ class PipelineTrainSection(Section):
     checkpoint_every: int = Field(50, gt=0)
     storage: str | None = Field(None, description="Ray Train checkpoint storage: a path or s3://… (None = <run_dir>/ray-train)")
     live_eval: LiveEvalSection = _live_eval_field()
-    tracking: TrackingSection = _tracking_field()
+    tracking: TrackingSettings = _tracking_field()
 
     _drafter = field_validator("drafter", mode="before")(classmethod(_drafter_section))
     _objective = field_validator("objective", mode="before")(classmethod(_objective_section))

@@ -27,31 +27,61 @@ import importlib.util
 import json
 import os
 import time
-from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 FIX_INSTALL = "pip install -e '.[dev]' (it pins {package}) or pip install {package}"
 
 
-@dataclass(frozen=True)
-class WandbSettings:
-    project: str
-    mode: str = "offline"  # online | offline | disabled
-    dir: str | None = None  # where W&B writes its run files (None: the run dir)
+def _absolute(path: str) -> str:
+    return str(Path(path).resolve())
 
 
-@dataclass(frozen=True)
-class MlflowSettings:
-    uri: str  # tracking URI: file:///abs/path (file store), http(s)://server, sqlite:///path, …
-    experiment: str = "specray"
+class _Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-@dataclass(frozen=True)
-class TrackingSettings:
-    """The trackers of a run (plain values: the gang's workers get them); None fields are off."""
+class WandbSettings(_Settings):
+    project: str = Field(..., min_length=1, description="W&B project")
+    mode: Literal["online", "offline", "disabled"] = Field(
+        "offline", description="offline: runs written under dir, to `wandb sync` later; online: sent to W&B as they run")
+    dir: str | None = Field(None, description="where W&B writes its run files (None = the train run dir)")
 
-    tensorboard: str | None = None  # absolute log dir
-    wandb: WandbSettings | None = None
-    mlflow: MlflowSettings | None = None
+    _dir = field_validator("dir")(classmethod(lambda cls, v: None if v is None else _absolute(v)))
+
+
+class MlflowSettings(_Settings):
+    uri: str = Field(..., min_length=1, description="MLflow tracking URI: file:PATH (a local file store), "
+                                                    "http(s)://server, sqlite:///PATH, ...")
+    experiment: str = Field("specray", min_length=1, description="MLflow experiment (created if missing)")
+
+    @field_validator("uri")
+    @classmethod
+    def _absolute_file_store(cls, value: str) -> str:
+        """A file store as an absolute file:// URI (rank 0 may run in another directory)."""
+        if value.startswith("file:"):
+            return Path(value.removeprefix("file://").removeprefix("file:")).resolve().as_uri()
+        if ":" not in value:
+            raise ValueError(f"{value!r} is not a tracking URI; for a local file store write file:{value}")
+        return value
+
+
+class TrackingSettings(_Settings):
+    """The manifest's ``tracking`` section (``train.tracking`` in a pipeline): each tracker off when null.
+
+    Local paths are made absolute when the manifest loads (the gang's rank 0 runs elsewhere)."""
+
+    tensorboard: str | None = Field(None, description="TensorBoard log dir (tensorboardX event files)")
+    wandb: WandbSettings | None = Field(None, description="Weights & Biases: {project, mode, dir}")
+    mlflow: MlflowSettings | None = Field(None, description="MLflow: {uri, experiment}")
+
+    _tensorboard = field_validator("tensorboard")(classmethod(lambda cls, v: None if v is None else _absolute(v)))
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._needed())
 
     def check_installed(self) -> None:
         """Raise ``ImportError`` naming the field of each configured tracker whose package is missing."""
@@ -189,6 +219,6 @@ class Tracker:
 
 def open_tracker(settings: TrackingSettings | None, *, run_name: str, config: dict, run_dir: str) -> Tracker | None:
     """The run's tracker (None when no tracker is configured)."""
-    if settings is None or not settings._needed():
+    if settings is None or not settings.enabled:
         return None
     return Tracker(settings, run_name=run_name, config=config, run_dir=run_dir)

@@ -94,8 +94,8 @@ def test_a_records_second_logging_adds_only_its_new_fields(tmp_path):
 def test_a_configured_tracker_that_is_not_installed_is_an_error_naming_its_field(tmp_path, monkeypatch, field,
                                                                                   module, package):
     settings = TrackingSettings(**{"tensorboard": {"tensorboard": str(tmp_path)},
-                                   "wandb": {"wandb": WandbSettings("p", dir=str(tmp_path))},
-                                   "mlflow": {"mlflow": MlflowSettings((tmp_path / "m").as_uri())}}[field])
+                                   "wandb": {"wandb": WandbSettings(project="p", dir=str(tmp_path))},
+                                   "mlflow": {"mlflow": MlflowSettings(uri=(tmp_path / "m").as_uri())}}[field])
     error = rf"tracking\.{field} is set \(train\.tracking\.{field} in a pipeline manifest\) but the {package} " \
             rf"package is not installed here: pip install .*{package}.*, or set tracking\.{field}=null"
     import importlib.util
@@ -127,5 +127,5 @@ def test_tracking_config_errors_name_the_field(tmp_path):
         load_config(TrainJobConfig, None, [*base, "tracking.tensorbord=tb"])
     spec = load_config(TrainJobConfig, None, [*base, "tracking.tensorboard=tb", "tracking.mlflow.uri=file:ml"]).train_spec()
     assert spec.tracking == TrackingSettings(tensorboard=os.path.abspath("tb"),
-                                             mlflow=MlflowSettings(f"file://{os.path.abspath('ml')}"))
+                                             mlflow=MlflowSettings(uri=f"file://{os.path.abspath('ml')}"))
     assert load_config(TrainJobConfig, None, base).train_spec().tracking is None  # off by default
