@@ -91,7 +91,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import shutil
 import tempfile
 import threading
@@ -99,9 +98,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
-from urllib.parse import urlparse
 
-import pyarrow.fs
 import ray
 import ray.train
 import torch
