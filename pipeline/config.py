@@ -26,6 +26,7 @@ from specray.serving.recorder import RecordSettings
 from specray.trainer.assembly import TrainSpec, check_capture_fits
 from specray.trainer.core import OptimSettings
 from specray.trainer.strategies import get_strategy
+from specray.trainer.tracking import TrackingSettings
 from specray.pipeline.config_loading import ConfigError, apply_overrides, load_config  # noqa: F401 (re-exported)
 
 
@@ -287,6 +288,11 @@ def _live_eval_field() -> Any:
                  description="live acceptance at each checkpoint: held-out prompts on the serving engine")
 
 
+def _tracking_field() -> Any:
+    return Field(default_factory=TrackingSettings,
+                 description="experiment tracking: TensorBoard, W&B and MLflow, each off by default")
+
+
 class TrainOutputSection(Section):
     run_dir: str | None = Field(None, description="checkpoints, metrics.jsonl, curves.png (None = runs/<name>)")
     resume: bool = Field(True, description="continue from the run dir's latest checkpoint if there is one")
@@ -303,6 +309,7 @@ class TrainJobConfig(JobConfig):
     optim: OptimSection = OptimSection()
     trainer: TrainerSection = TrainerSection()
     live_eval: LiveEvalSection = _live_eval_field()
+    tracking: TrackingSettings = _tracking_field()
     output: TrainOutputSection = TrainOutputSection()
 
     _drafter = field_validator("drafter", mode="before")(classmethod(_drafter_section))
@@ -325,6 +332,7 @@ class TrainJobConfig(JobConfig):
             world_size=t.world_size, log_every=t.log_every, checkpoint_every=t.checkpoint_every,
             keep_last=t.keep_last, config=self.model_dump(mode="json"), live_eval=self.live_eval.settings(),
             device_field=device_field,
+            tracking=self.tracking if self.tracking.enabled else None,
         )
 
 
@@ -354,6 +362,7 @@ class PipelineTrainSection(Section):
     checkpoint_every: int = Field(50, gt=0)
     storage: str | None = Field(None, description="Ray Train checkpoint storage: a path or s3://… (None = <run_dir>/ray-train)")
     live_eval: LiveEvalSection = _live_eval_field()
+    tracking: TrackingSettings = _tracking_field()
 
     _drafter = field_validator("drafter", mode="before")(classmethod(_drafter_section))
     _objective = field_validator("objective", mode="before")(classmethod(_objective_section))
@@ -649,7 +658,7 @@ class PipelineConfig(JobConfig):
             drafter=t.drafter, objective=t.objective, optim=t.optim,
             trainer=TrainerSection(world_size=t.num_workers, log_every=t.log_every, checkpoint_every=t.checkpoint_every,
                                    device=t.device, precision=t.precision),
-            live_eval=t.live_eval,
+            live_eval=t.live_eval, tracking=t.tracking,
             output=TrainOutputSection(run_dir=str(self.run_dir / "train")),
         )
 

@@ -40,6 +40,7 @@ from specray.trainer.core import OptimSettings, TrainerCore
 from specray.trainer.loader import FeatureLoader
 from specray.trainer.loop import CheckpointHook, Trainer, TrainRun
 from specray.trainer.strategies import get_strategy
+from specray.trainer.tracking import Tracker, TrackingSettings, open_tracker
 from specray.trainer.vocab import (RENDER_MAX_LENGTH, DraftVocabulary, dataset_vocabulary, draft_vocabulary,
                                    is_dataset_spec)
 
@@ -71,6 +72,7 @@ class TrainSpec:
     device: str = "auto"  # auto | cpu | cuda: where a rank trains (a driver may pass a concrete device to build_rank)
     precision: str = "auto"  # auto | fp32 | bf16: the drafter's compute (auto = bf16 on CUDA)
     device_field: str = "train.device"  # the config field ``device`` came from (errors name it)
+    tracking: TrackingSettings | None = None  # trainer/tracking.py: rank 0 logs every metrics record (None = off)
 
     @property
     def algorithm(self) -> str:
@@ -330,6 +332,13 @@ def feature_loader(spec: TrainSpec, manifest: Manifest, store, expected: Capture
                          max_length=spec.max_length, pin_memory=device is not None and device.type == "cuda")
 
 
+def rank_tracker(spec: TrainSpec, rank: int) -> Tracker | None:
+    """Rank 0's experiment tracker of ``spec.tracking`` (None on other ranks or when none is configured)."""
+    if rank != 0:
+        return None
+    return open_tracker(spec.tracking, run_name=spec.name, config=spec.config, run_dir=spec.run_dir)
+
+
 def build_trainer(spec: TrainSpec, *, rank: int = 0, world_size: int = 1,
                   live_eval: Callable[[Target], CheckpointHook] | None = None) -> Trainer:
     """``specray train``'s rank: a ``Trainer`` on the spec's manifest; refuses features of another
@@ -349,5 +358,6 @@ def build_trainer(spec: TrainSpec, *, rank: int = 0, world_size: int = 1,
                             device=parts.device)
     run = TrainRun(parts.core, log_every=spec.log_every, extra=parts.extra)
     hook = whole_target_hook(spec, live_eval, parts.device) if rank == 0 else None
+    run.tracker = rank_tracker(spec, rank)
     return Trainer(run, loader, run_dir=spec.run_dir, total_steps=spec.optim.total_steps,
                    checkpoint_every=spec.checkpoint_every, keep_last=spec.keep_last, on_checkpoint=hook)

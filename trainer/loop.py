@@ -15,6 +15,9 @@ seen and the record history, so N steps + resume + N steps equals 2N straight st
 appends each record to ``<run_dir>/metrics.jsonl`` and writes a checkpoint every
 ``checkpoint_every`` steps (and at the end) under ``<run_dir>/checkpoints``.
 
+Rank 0 hands each record to ``tracker`` (``trainer/tracking.py``: TensorBoard, W&B, MLflow)
+as it is made, and the record of a checkpoint again once the hook added its fields.
+
 A *checkpoint hook* (``CheckpointHook``) runs on rank 0 before each checkpoint is written and
 adds its fields to that step's record: the drivers inject the live evaluation this way
 (``serving/live_eval.py``: ``tau_live``, ``live_accept_by_pos``, …), so ``trainer/`` never
@@ -36,6 +39,7 @@ from tqdm import tqdm
 from specray.trainer.checkpoint import capture_rng_state, latest_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint
 from specray.trainer.core import StepResult, TrainerCore
 from specray.trainer.loader import FeatureLoader, TrainBatch
+from specray.trainer.tracking import Tracker
 
 CheckpointHook = Callable[["TrainRun"], dict]
 """``hook(run) -> fields`` added to the metrics record of ``run.step``, on rank 0 before the checkpoint."""
@@ -80,7 +84,7 @@ class TrainRun:
 
     ``extra`` is what every checkpoint carries besides the training state (algorithm, drafter
     config, contract, provenance: what an export needs). ``record_fields`` are added to every
-    metrics record (the gang's ``attempt``).
+    metrics record (the gang's ``attempt``). ``tracker`` (rank 0's, or None) logs every record.
     """
 
     def __init__(self, core: TrainerCore, *, log_every: int, extra: dict | None = None):
@@ -92,6 +96,7 @@ class TrainRun:
         self.step = 0
         self.tokens_seen = 0
         self.records: list[dict] = []
+        self.tracker: Tracker | None = None
         self._window = MetricsWindow()
 
     @property
@@ -119,6 +124,8 @@ class TrainRun:
         record = {**self._window.record(self.step, self.tokens_seen, self.core.strategy), **self.record_fields}
         self.records.append(record)
         self._window = MetricsWindow()
+        if self.tracker is not None:
+            self.tracker.log(record)
         return record
 
     def checkpoint_record(self, hook: CheckpointHook | None) -> dict | None:
@@ -135,7 +142,15 @@ class TrainRun:
                 record.update(hook(self))
             finally:
                 restore_rng_state(rng)
+            if self.tracker is not None:
+                self.tracker.log(record)  # the hook's fields
         return record
+
+    def close(self) -> None:
+        """Close the tracker (its files complete, its runs finished)."""
+        if self.tracker is not None:
+            self.tracker.close()
+            self.tracker = None
 
     def save(self, directory: str | Path, *, loader_state: dict, keep_last: int | None, **extra) -> None:
         """Rank 0 writes the checkpoint of the current step under ``directory`` (other ranks: nothing)."""

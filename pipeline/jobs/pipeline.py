@@ -338,13 +338,18 @@ def _train_online(cfg: PipelineConfig, report: PipelineReport, progress: bool) -
     plan = plan_capture(job)
     t, o = cfg.train, cfg.online
     window = t.num_workers * t.optim.micro_batch_size * t.optim.accumulation_steps
-    steps = -(-len(plan.samples) // window)  # one pass: the stream is consume-once
     storage = t.storage or str(cfg.run_dir / "ray-train")
-    train_job = cfg.train_job(None).model_copy(update={"optim": t.optim.model_copy(update={"total_steps": steps})})
     ledger_uri = _training_locations(cfg)[1]
     # Samples an earlier run of this stream dispatched are the gang's to re-dispatch (from the
     # ledger, on resume); the producer captures only the ones never dispatched.
     state = Ledger(ledger_uri).replay()
+    # One pass (the stream is consume-once). The gang counts its step target from the samples
+    # left at each attempt start (stream_samples); this is that count from the ledger's newest
+    # checkpoint, for the progress bar and the first attempt's schedule.
+    last = state.last_checkpoint()
+    done = {sid for txn in state.lineage(last["attempt"], last["step"]) for sid in txn["sample_ids"]} if last else set()
+    steps = (last["step"] if last else 0) + -(-(len(plan.samples) - len(done)) // window)
+    train_job = cfg.train_job(None).model_copy(update={"optim": t.optim.model_copy(update={"total_steps": steps})})
     dispatched = {r.sample_id for refs in state.windows.values() for r in refs}
     # The keys this stream writes: its planned samples' and every one the ledger dispatched.
     # Only these are ever deleted or audited; other datasets may share the store root.
@@ -365,7 +370,8 @@ def _train_online(cfg: PipelineConfig, report: PipelineReport, progress: bool) -
                 # the gang renders (live evaluation) and fingerprints with the capture's chat template
                 spec = replace(train_job.train_spec(device_field="train.device"), chat_template=plan.target.chat_template)
                 result = run_trainer_gang(spec, num_workers=t.num_workers, storage_path=storage,
-                                          ledger_uri=ledger_uri, broker=broker, max_failures=t.max_failures,
+                                          ledger_uri=ledger_uri, broker=broker, stream_samples=len(plan.samples),
+                                          max_failures=t.max_failures,
                                           cpus_per_worker=t.cpus_per_worker, gpus_per_worker=t.gpus_per_worker,
                                           on_record=on_record)
         except Exception:

@@ -74,6 +74,7 @@ def _run_rank(rank: int, cfg: TrainJobConfig, world_size: int, port: int | None,
         if device.type == "cuda":
             torch.cuda.set_device(device)  # NCCL's object collectives run on the current device
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size)
+    trainer = None
     try:
         trainer = build_trainer(cfg, rank=rank, world_size=world_size)
         start = trainer.resume() if cfg.output.resume else 0
@@ -93,6 +94,8 @@ def _run_rank(rank: int, cfg: TrainJobConfig, world_size: int, port: int | None,
         (cfg.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         return summary
     finally:
+        if trainer is not None:
+            trainer.run.close()  # the tracker's files complete
         if world_size > 1:
             dist.destroy_process_group()
 
@@ -106,6 +109,8 @@ def run_training(cfg: TrainJobConfig, *, progress: bool = True) -> TrainSummary:
     spec = cfg.train_spec()
     world_size = cfg.trainer.world_size
     rank_device(spec, world_size=world_size)  # refuses a device this machine lacks before anything is read
+    if spec.tracking is not None:
+        spec.tracking.check_installed()
     if spec.manifest is not None:
         check_manifest_fits(spec, read_manifest(spec.manifest, endpoint_url=spec.endpoint_url).contract)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
