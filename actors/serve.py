@@ -41,7 +41,8 @@ from specray.serving.engine import Engine, EngineLoop
 from specray.serving.http_guard import HttpLimits, is_loopback
 from specray.serving.openai_api import create_app
 from specray.serving.recorder import RecordSettings, TrafficRecorder
-from specray.serving.registry import DrafterRegistry, RegistryPoller
+from specray.serving.poller import RegistryPoller
+from specray.serving.registry import DrafterRegistry
 
 if TYPE_CHECKING:
     from specray.pipeline.config import ServeJobConfig
@@ -119,7 +120,7 @@ class SpecrayReplica:
         if spec.registry_uri:
             registry = DrafterRegistry(spec.registry_uri, endpoint_url=spec.registry_endpoint_url)
             self.poller = RegistryPoller(registry, self.engine, cache_dir=spec.cache_dir,
-                                         interval_s=spec.poll_interval_s).start()
+                                         interval_s=spec.poll_interval_s, replica_id=self.replica).start()
 
     def __serve_build_asgi_app__(self):
         return create_app(self.engine, model_name=self.spec.model_name, api_key=self.spec.api_key,
