@@ -38,7 +38,7 @@ from ray import serve
 from specray.actors.cluster import connect
 from specray.capture.target import load_target
 from specray.serving.engine import Engine, EngineLoop
-from specray.serving.http_guard import HttpLimits, is_loopback
+from specray.serving.http_guard import HttpLimits, is_loopback, normalize_api_key
 from specray.serving.openai_api import create_app
 from specray.serving.recorder import RecordSettings, TrafficRecorder
 from specray.serving.poller import RegistryPoller
@@ -189,7 +189,9 @@ def _wait_ready(url: str, timeout_s: float) -> None:
 def application(cfg: ServeJobConfig, api_key: str | None):
     """The bound Serve application (replicas + autoscaling) that ``serve.run`` or a Serve config deploys.
     Without ``api_key`` its replicas answer loopback clients only, wherever Serve's proxy binds; every
-    request is bounded by ``cfg.http.limits``."""
+    request is bounded by ``cfg.http.limits``. The key is read by ``normalize_api_key`` (surrounding
+    whitespace stripped with a warning, an empty key refused)."""
+    api_key = normalize_api_key(api_key, "the API key")
     a = cfg.autoscaling
     return SpecrayReplica.options(
         name="SpecrayReplica",
@@ -203,7 +205,8 @@ def application(cfg: ServeJobConfig, api_key: str | None):
 
 def start_serving(cfg: ServeJobConfig, *, timeout_s: float = 600.0) -> ServeHandle:
     """Deploy the replicas described by ``cfg`` and return once ``/health`` answers over HTTP."""
-    api_key = cfg.http.api_key or os.environ.get("SPECRAY_API_KEY") or None
+    source = "http.api_key" if cfg.http.api_key else "$SPECRAY_API_KEY"
+    api_key = normalize_api_key(cfg.http.api_key or os.environ.get("SPECRAY_API_KEY") or None, source)
     if not is_loopback(cfg.http.host) and not api_key:
         raise ValueError(
             f"http.host={cfg.http.host!r} makes the server reachable from other machines; set http.api_key "
