@@ -250,12 +250,16 @@ class _Responder:
 # -- the app -----------------------------------------------------------------------------
 
 
-def _prometheus(stats: dict, model: str, recording: dict | None = None) -> str:
+def _prometheus(stats: dict, model: str, recording: dict | None = None, replica: str | None = None) -> str:
+    """The replica's stats as Prometheus text, each sample labelled with the model and the replica
+    (a scrape reaches whichever replica Serve routes it to; Ray's own endpoint has every replica's:
+    actors/serve.py ``ReplicaMetrics``)."""
     lines = []
+    base = f'model="{model}"' + (f',replica="{replica}"' if replica else "")
 
     def metric(name: str, kind: str, help: str, samples: list[tuple[str, float]]) -> None:
         lines.extend([f"# HELP specray_{name} {help}", f"# TYPE specray_{name} {kind}"])
-        lines.extend(f"specray_{name}{{model=\"{model}\"{labels}}} {value}" for labels, value in samples)
+        lines.extend(f"specray_{name}{{{base}{labels}}} {value}" for labels, value in samples)
 
     metric("tokens_per_second", "gauge", "generated tokens per second of engine steps over the last minute",
            [("", stats["tokens_per_second"])])
@@ -271,6 +275,9 @@ def _prometheus(stats: dict, model: str, recording: dict | None = None) -> str:
     if stats["tau"] is not None:
         metric("tau", "gauge", "mean tokens per round of the active drafter (accepted drafts + 1)",
                [("", stats["tau"])])
+    metric("version_tau", "gauge", "mean tokens per round of each drafter version this replica served",
+           [(f',version="{v["version"] if v["version"] is not None else "ar"}"', v["tau"])
+            for v in stats.get("versions", []) if v["tau"] is not None])
     metric("acceptance_rate", "gauge", "fraction of rounds whose draft at this position was accepted",
            [(f",position=\"{j + 1}\"", a) for j, a in enumerate(stats["acceptance_by_position"])])
     sizes: dict[int, int] = {}
@@ -403,7 +410,8 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, limits: H
         stats = engine.stats()
         recording = recorder.stats() if recorder is not None else None
         if format == "prometheus":
-            return PlainTextResponse(_prometheus(stats, model_name, recording), media_type="text/plain; version=0.0.4")
+            return PlainTextResponse(_prometheus(stats, model_name, recording, replica_id),
+                                     media_type="text/plain; version=0.0.4")
         return {"model": model_name, "replica": replica_id} | stats | info() | {"recording": recording}
 
     return app
