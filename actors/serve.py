@@ -208,8 +208,12 @@ class SpecrayReplica:
                           recorder=self.recorder)
 
     def info(self) -> dict:
-        """Shown by /metrics (behind the key): why hot-loading last failed."""
-        return {"registry_error": self.poller.last_error if self.poller else None}
+        """Shown by /metrics (behind the key): why hot-loading last failed, the versions this replica
+        does not serve because they are rejected in the registry (by it or by another replica), the pin."""
+        if self.poller is None:
+            return {"registry_error": None, "registry_rejected": {}, "registry_pinned": None}
+        return {"registry_error": self.poller.last_error, "registry_rejected": dict(self.poller.rejected),
+                "registry_pinned": self.poller.pinned}
 
     def check_health(self) -> None:
         if not self.loop.alive:

@@ -380,10 +380,15 @@ def _cmd_registry(args: argparse.Namespace) -> int:
 
 def _registry_list(registry, args: argparse.Namespace) -> dict:
     """Every complete version: when it was published, its bytes, whether it is pinned, rejected or served."""
+    import time
+
+    from specray.serving.poller import stale_after_s
+
     pinned, rejections = registry.pinned(), registry.rejections()
-    serving: dict = {}
+    serving: dict = {}  # version -> replicas serving it (reports that are not stale)
     for report in registry.replicas():
-        serving[report.get("version")] = serving.get(report.get("version"), 0) + 1
+        if time.time() - report.get("reported_at", 0) <= stale_after_s(report):
+            serving[report.get("version")] = serving.get(report.get("version"), 0) + 1
     rows = []
     for version in registry.versions():
         marker = registry.describe(version)

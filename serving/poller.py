@@ -22,8 +22,10 @@ A cached copy the engine refuses is deleted and pulled again before the version 
 
 **Crash loops.** Before loading, the poller records an attempt in the registry; it ends it when
 the load is done. An attempt whose owner stopped reporting (its replica died mid-load: an
-out-of-memory kill) counts as a crash; once ``MAX_LOAD_CRASHES`` replicas died loading a version,
-the next poller rejects it instead of trying it.
+out-of-memory kill) counts as a crash once that report is stale (``stale_after_s``: three of its
+poll intervals and 10 s); once ``MAX_LOAD_CRASHES`` replicas died loading a version, the next
+poller rejects it for every replica instead of trying it. Replicas that restart faster than a
+report goes stale may try it a few more times; the count only grows, so the loop ends.
 
 **Reports.** A thread of its own writes the replica's report every ``interval_s`` (also while a
 load blocks the poll): the version it serves, its live tau and rounds per version, the pin it

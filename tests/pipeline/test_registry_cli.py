@@ -65,7 +65,7 @@ def test_publish_pin_rollback_and_status(tmp_path, capsys):
 
     code, out, _ = _run(capsys, "registry", "list", "--uri", uri, "--json")
     listed = {v["version"]: v for v in json.loads(out)["versions"]}
-    assert listed[1]["state"] == ["served by 1"] and listed[2]["state"] == ["served by 1"]
+    assert listed[1]["state"] == ["good"] and listed[2]["state"] == ["served by 1"]  # replica-old is gone
     assert listed[3]["state"] == ["rejected (operator: tau dropped)"] and listed[3]["bytes"] == 10 + 2 + 21
     code, out, _ = _run(capsys, "registry", "list", "--uri", uri)
     assert code == 0 and "rejected (operator: tau dropped)" in out and str(tmp_path / "c") in out

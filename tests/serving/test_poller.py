@@ -306,3 +306,51 @@ def test_pinning_a_rolled_back_version_serves_it_again(registry, tmp_path):
     assert poller.poll() == 1
     registry.pin(2)
     assert poller.poll() == 2 and poller.last_error is None
+
+
+_DYING_REPLICA = """
+import os, sys
+from concurrent.futures import Future
+from types import SimpleNamespace
+from specray.serving.poller import RegistryPoller
+from specray.serving.registry import DrafterRegistry
+
+class Engine:  # dies loading version 2, as a replica the kernel's OOM killer ends
+    active_version = None
+    target = SimpleNamespace(target_fingerprint="sha256:debug")
+    def stats(self):
+        return {"active_version": self.active_version, "versions": []}
+    def load_drafter(self, path, version):
+        if version == 2:
+            os._exit(137)
+        future = Future()
+        self.active_version = version
+        future.set_result(version)
+        return future
+
+RegistryPoller(DrafterRegistry(sys.argv[1]), Engine(), cache_dir=sys.argv[2], interval_s=0.2,
+               replica_id=sys.argv[3]).poll()
+"""
+
+
+def test_a_version_that_kills_replicas_stops_being_tried(registry, tmp_path):
+    """Two replica processes die loading version 2 (killed mid-load: no rejection could be
+    written); the next replica, once their reports went stale, rejects it for every replica and
+    serves version 1 — one crafted publish cannot crash-loop the replicas."""
+    import subprocess
+    import sys
+
+    registry.publish(_export(tmp_path / "a", b"A"))
+    registry.publish(_export(tmp_path / "b", b"B"))
+    for n in range(MAX_LOAD_CRASHES):
+        done = subprocess.run([sys.executable, "-c", _DYING_REPLICA, registry.uri, str(tmp_path / f"cache-{n}"),
+                               f"replica-{n}"], capture_output=True, timeout=120)
+        assert done.returncode == 137, done.stderr.decode()[-2000:]
+    assert len(registry.attempts(2)) == MAX_LOAD_CRASHES and 2 not in registry.rejections()
+    died = time.time()
+    stale = max(r["reported_at"] for r in registry.replicas()) + 3 * 0.2 + 10.0  # stale_after_s of their reports
+    time.sleep(max(0.0, stale - died) + 0.5)
+    engine = _FakeEngine()
+    poller = _poller(registry, engine, tmp_path)
+    assert poller.poll() == 1 and engine.loaded == [1]
+    assert "2 replicas died loading it (replica-0, replica-1)" in registry.rejections()[2][0].reason
