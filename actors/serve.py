@@ -8,18 +8,20 @@
 or ``specray serve -c manifests/serve.yaml [section.field=value …]`` (until Ctrl-C).
 
 Each replica (``SpecrayReplica``) loads the target, owns an ``Engine`` stepped by an
-``EngineLoop`` thread and, with a registry, a ``RegistryPoller`` thread that pulls each newer
-drafter version and hot-loads it between engine steps (serving/engine.py, serving/registry.py).
+``EngineLoop`` thread and, with a registry, a ``RegistryPoller`` that keeps it on the version it
+should serve (the pinned one, else the newest good one), hot-loaded between engine steps, and
+reports what it serves to the registry (serving/engine.py, serving/poller.py, serving/registry.py).
 Its HTTP app is serving/openai_api.py's, built in the replica (a FastAPI ingress) behind its
 request guard (API key or loopback clients only, body and prompt limits: ``http.limits``), so Ray
 adds only what Ray is for: the metrics API (``ReplicaMetrics``: every replica's stats in Ray's
-Prometheus endpoint, tagged with its replica id and drafter version), the proxy on ``http.host:http.port`` (127.0.0.1 by default; any other
-host is refused without an API key), Serve's autoscaler between ``min_replicas`` and
-``max_replicas`` aiming at ``target_ongoing_requests`` per replica, and replacement of a
-replica that died or whose engine loop thread stopped (``check_health``). With ``record.uri`` each
-replica records its finished requests under ``<record.uri>/<replica id>/`` (serving/recorder.py). Local paths in the
-config are made absolute for the replicas; on a cluster of several machines use an ``s3://``
-registry, since replicas may run where the driver's files are not.
+Prometheus endpoint, tagged with its replica id and drafter version), the proxy on
+``http.host:http.port`` (127.0.0.1 by default; any other host is refused without an API key),
+Serve's autoscaler between ``min_replicas`` and ``max_replicas`` aiming at
+``target_ongoing_requests`` per replica, and replacement of a replica that died or whose engine
+loop thread stopped (``check_health``). With ``record.uri`` each replica records its finished
+requests under ``<record.uri>/<replica id>/`` (serving/recorder.py). Local paths in the config
+are made absolute for the replicas; on a cluster of several machines use an ``s3://`` registry,
+since replicas may run where the driver's files are not.
 """
 
 from __future__ import annotations

@@ -344,7 +344,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _registry(args: argparse.Namespace):
+def _cmd_registry_open(args: argparse.Namespace):
     """The registry ``specray registry`` works on: ``--uri``, or a serve manifest's ``registry`` section."""
     from specray.pipeline.config import ServeJobConfig
     from specray.serving.registry import DrafterRegistry
@@ -360,7 +360,7 @@ def _registry(args: argparse.Namespace):
     return DrafterRegistry(section.uri, endpoint_url=args.endpoint_url or section.endpoint_url)
 
 
-def _when(unix: float | None) -> str:
+def _cmd_registry_time(unix: float | None) -> str:
     import time
 
     return "-" if not unix else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix))
@@ -369,16 +369,17 @@ def _when(unix: float | None) -> str:
 def _cmd_registry(args: argparse.Namespace) -> int:
     import json
 
-    registry = _registry(args)
-    action = {"list": _registry_list, "publish": _registry_publish, "pin": _registry_pin, "unpin": _registry_unpin,
-              "rollback": _registry_rollback, "status": _registry_status}[args.action]
+    registry = _cmd_registry_open(args)
+    action = {"list": _cmd_registry_list, "publish": _cmd_registry_publish, "pin": _cmd_registry_pin,
+              "unpin": _cmd_registry_unpin, "rollback": _cmd_registry_rollback,
+              "status": _cmd_registry_status}[args.action]
     result = action(registry, args)
     if getattr(args, "json", False):
         print(json.dumps(result, indent=2))
     return 0
 
 
-def _registry_list(registry, args: argparse.Namespace) -> dict:
+def _cmd_registry_list(registry, args: argparse.Namespace) -> dict:
     """Every complete version: when it was published, its bytes, whether it is pinned, rejected or served."""
     import time
 
@@ -401,30 +402,31 @@ def _registry_list(registry, args: argparse.Namespace) -> dict:
         print(f"registry   {registry.uri} ({'pinned to ' + str(pinned) if pinned else 'not pinned'})")
         print(f"{'version':>8}  {'published':19}  {'bytes':>11}  state / source")
         for r in rows:
-            print(f"{r['version']:>8}  {_when(r['published_at']):19}  {r['bytes']:>11}  {', '.join(r['state'])}  "
-                  f"{r['source']}")
+            print(f"{r['version']:>8}  {_cmd_registry_time(r['published_at']):19}  {r['bytes']:>11}  "
+                  f"{', '.join(r['state'])}  {r['source']}")
     return {"uri": registry.uri, "pinned": pinned, "versions": rows}
 
 
-def _registry_publish(registry, args: argparse.Namespace) -> dict:
+def _cmd_registry_publish(registry, args: argparse.Namespace) -> dict:
     version = registry.publish(args.export)
     print(f"published  {args.export} as version {version} of {registry.uri}")
     return {"version": version}
 
 
-def _registry_pin(registry, args: argparse.Namespace) -> dict:
+def _cmd_registry_pin(registry, args: argparse.Namespace) -> dict:
     registry.pin(args.version, reason=args.reason)
     print(f"pinned     version {args.version}: replicas serve it at their next poll, whatever is published after it")
     return {"pinned": args.version}
 
 
-def _registry_unpin(registry, args: argparse.Namespace) -> dict:
+def _cmd_registry_unpin(registry, args: argparse.Namespace) -> dict:
     was = registry.unpin()
-    print(f"unpinned   {'version ' + str(was) if was else 'nothing was pinned'}: replicas serve the newest good version")
+    what = f"version {was}" if was else "nothing was pinned"
+    print(f"unpinned   {what}: replicas serve the newest good version")
     return {"unpinned": was}
 
 
-def _registry_rollback(registry, args: argparse.Namespace) -> dict:
+def _cmd_registry_rollback(registry, args: argparse.Namespace) -> dict:
     """Reject the newest version no scope rejects, for every replica; they fall back to the one before."""
     from specray.serving.registry import OPERATOR
 
@@ -443,7 +445,7 @@ def _registry_rollback(registry, args: argparse.Namespace) -> dict:
     return {"rejected": good[-1], "serving": good[-2] if len(good) > 1 else None}
 
 
-def _registry_status(registry, args: argparse.Namespace) -> dict:
+def _cmd_registry_status(registry, args: argparse.Namespace) -> dict:
     """Every replica's last report: the version it serves, its live tau, what it is loading, its last error."""
     import time
 
@@ -586,7 +588,8 @@ def build_parser() -> argparse.ArgumentParser:
         p = reg_sub.add_parser(action, help=text)
         p.add_argument("--uri", default=None, help="the registry: a path, file://… or s3://BUCKET/PREFIX")
         p.add_argument("-c", "--config", default=None, help="a serve manifest whose registry section names it")
-        p.add_argument("--endpoint-url", default=None, help="S3 endpoint (else the manifest's, or $SPECRAY_S3_ENDPOINT)")
+        p.add_argument("--endpoint-url", default=None,
+                       help="S3 endpoint (else the manifest's, or $SPECRAY_S3_ENDPOINT)")
         if action in ("list", "status"):
             p.add_argument("--json", action="store_true", help="print JSON instead of a table")
         if action == "publish":

@@ -28,7 +28,8 @@ def test_publish_pin_rollback_and_status(tmp_path, capsys):
     uri = (tmp_path / "registry").as_uri()
     registry = DrafterRegistry(uri)
     for name in "abc":
-        code, out, _ = _run(capsys, "registry", "publish", str(_export(tmp_path / name, name.encode() * 10)), "--uri", uri)
+        export = _export(tmp_path / name, name.encode() * 10)
+        code, out, _ = _run(capsys, "registry", "publish", str(export), "--uri", uri)
         assert code == 0 and f"as version {'abc'.index(name) + 1} of {uri}" in out
     assert registry.versions() == [1, 2, 3]
 

@@ -177,9 +177,9 @@ def test_bools_are_not_token_ids_and_one_prompt_is_a_batch_of_one(http):
     r = http.post("/v1/completions", json={"prompt": [True, False]})
     assert r.status_code == 400 and "true and false are not token ids" in r.json()["error"]["message"]
     assert http.post("/v1/completions", json={"prompt": [[True]]}).status_code == 400
-    one = http.post("/v1/completions", json={"prompt": ["Once"], "max_tokens": 3, "temperature": 0}).json()
-    assert one["choices"][0]["text"] == http.post("/v1/completions", json={"prompt": "Once", "max_tokens": 3,
-                                                                          "temperature": 0}).json()["choices"][0]["text"]
+    body = {"max_tokens": 3, "temperature": 0}
+    one = http.post("/v1/completions", json=body | {"prompt": ["Once"]}).json()["choices"][0]["text"]
+    assert one == http.post("/v1/completions", json=body | {"prompt": "Once"}).json()["choices"][0]["text"]
     r = http.post("/v1/completions", json={"prompt": ["a", "b"]})
     assert r.status_code == 400 and "a batch of 2 prompts is not implemented" in r.json()["error"]["message"]
 

@@ -57,9 +57,12 @@ def _poller(registry, engine, tmp_path, **kwargs):
     return RegistryPoller(registry, engine, cache_dir=tmp_path / "cache", interval_s=0.05, **kwargs)
 
 
-@pytest.fixture
-def registry(tmp_path):
-    return DrafterRegistry(str(tmp_path / "registry"))
+@pytest.fixture(params=["file", pytest.param("s3", marks=pytest.mark.s3)])
+def registry(request, tmp_path):
+    if request.param == "file":
+        return DrafterRegistry(str(tmp_path / "registry"))
+    server = request.getfixturevalue("seaweedfs")
+    return DrafterRegistry(server.uri(f"poller-{tmp_path.name}"), endpoint_url=server.endpoint)
 
 
 def test_poller_loads_each_new_version_once(registry, tmp_path):
@@ -153,12 +156,13 @@ def test_a_transient_pull_error_falls_back_and_is_retried_with_backoff(registry,
 def test_a_marker_whose_size_disagrees_is_retried_not_rejected(registry, tmp_path):
     registry.publish(_export(tmp_path / "a", b"A"))
     registry.publish(_export(tmp_path / "b", b"B" * 10))
-    weights = tmp_path / "registry" / "v000002" / "model.safetensors"
-    weights.write_bytes(b"B" * 4)  # a truncated copy, or a store that is not consistent yet
+    weights = f"{registry.root}/v000002/model.safetensors"
+    registry.fs.pipe_file(weights, b"B" * 4)  # a truncated copy, or a store that is not consistent yet
     engine = _FakeEngine()
     poller = _poller(registry, engine, tmp_path, retry_s=0.05)
-    assert poller.poll() == 1 and "version 2 failed 1x" in poller.last_error and "the registry recorded 10" in poller.last_error
-    weights.write_bytes(b"B" * 10)
+    assert poller.poll() == 1 and "version 2 failed 1x" in poller.last_error
+    assert "the registry recorded 10" in poller.last_error
+    registry.fs.pipe_file(weights, b"B" * 10)
     time.sleep(0.06)
     assert poller.poll() == 2 and engine.loaded == [1, 2] and registry.rejections() == {}
 
