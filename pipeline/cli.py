@@ -15,6 +15,7 @@
     specray serve -c manifests/serve.yaml [section.field=value …]   (OpenAI API on Ray Serve, until Ctrl-C)
     specray plan manifests/quickstart.yaml [--device cuda --gpu-memory 80GiB] [section.field=value …]   (memory, bytes)
     specray inspect runs/capture-quickstart/manifest.parquet [--verify]
+    specray registry list|publish EXPORT|pin N|unpin|rollback|status (--uri URI | -c SERVE_CONFIG)
     specray bench capture --json bench/capture.json [-c CONFIG] [--repeats 3] [overrides …]
     specray bench train --json bench/train.json [-c CONFIG] [overrides …]
     specray bench load --drafter EXPORT_DIR --clients 4 --minutes 2 --json bench/load.json [-c SERVE_CONFIG] [overrides …]
@@ -425,6 +426,132 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_registry_open(args: argparse.Namespace):
+    """The registry ``specray registry`` works on: ``--uri``, or a serve manifest's ``registry`` section."""
+    from specray.pipeline.config import ServeJobConfig
+    from specray.serving.registry import DrafterRegistry
+
+    if args.uri is None and args.config is None:
+        raise ConfigError("name the registry: --uri PATH|file://…|s3://BUCKET/PREFIX, or -c a serve manifest "
+                          "(its registry.uri)")
+    if args.uri is not None:
+        return DrafterRegistry(args.uri, endpoint_url=args.endpoint_url)
+    section = load_config(ServeJobConfig, args.config, []).registry
+    if section.uri is None:
+        raise ConfigError(f"{args.config} has no registry.uri; set it, or pass --uri")
+    return DrafterRegistry(section.uri, endpoint_url=args.endpoint_url or section.endpoint_url)
+
+
+def _cmd_registry_time(unix: float | None) -> str:
+    import time
+
+    return "-" if not unix else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix))
+
+
+def _cmd_registry(args: argparse.Namespace) -> int:
+    import json
+
+    registry = _cmd_registry_open(args)
+    action = {"list": _cmd_registry_list, "publish": _cmd_registry_publish, "pin": _cmd_registry_pin,
+              "unpin": _cmd_registry_unpin, "rollback": _cmd_registry_rollback,
+              "status": _cmd_registry_status}[args.action]
+    result = action(registry, args)
+    if getattr(args, "json", False):
+        print(json.dumps(result, indent=2))
+    return 0
+
+
+def _cmd_registry_list(registry, args: argparse.Namespace) -> dict:
+    """Every complete version: when it was published, its bytes, whether it is pinned, rejected or served."""
+    import time
+
+    from specray.serving.poller import stale_after_s
+
+    pinned, rejections = registry.pinned(), registry.rejections()
+    serving: dict = {}  # version -> replicas serving it (reports that are not stale)
+    for report in registry.replicas():
+        if time.time() - report.get("reported_at", 0) <= stale_after_s(report):
+            serving[report.get("version")] = serving.get(report.get("version"), 0) + 1
+    rows = []
+    for version in registry.versions():
+        marker = registry.describe(version)
+        state = [f"rejected ({r.scope}: {r.reason[:60]})" for r in rejections.get(version, [])]
+        state += ["pinned"] if version == pinned else []
+        state += [f"served by {serving[version]}"] if version in serving else []
+        rows.append({"version": version, "published_at": marker.get("published_at"), "source": marker.get("source"),
+                     "bytes": sum(marker.get("files", {}).values()), "state": state or ["good"]})
+    if not args.json:
+        print(f"registry   {registry.uri} ({'pinned to ' + str(pinned) if pinned else 'not pinned'})")
+        print(f"{'version':>8}  {'published':19}  {'bytes':>11}  state / source")
+        for r in rows:
+            print(f"{r['version']:>8}  {_cmd_registry_time(r['published_at']):19}  {r['bytes']:>11}  "
+                  f"{', '.join(r['state'])}  {r['source']}")
+    return {"uri": registry.uri, "pinned": pinned, "versions": rows}
+
+
+def _cmd_registry_publish(registry, args: argparse.Namespace) -> dict:
+    version = registry.publish(args.export)
+    print(f"published  {args.export} as version {version} of {registry.uri}")
+    return {"version": version}
+
+
+def _cmd_registry_pin(registry, args: argparse.Namespace) -> dict:
+    registry.pin(args.version, reason=args.reason)
+    print(f"pinned     version {args.version}: replicas serve it at their next poll, whatever is published after it")
+    return {"pinned": args.version}
+
+
+def _cmd_registry_unpin(registry, args: argparse.Namespace) -> dict:
+    was = registry.unpin()
+    what = f"version {was}" if was else "nothing was pinned"
+    print(f"unpinned   {what}: replicas serve the newest good version")
+    return {"unpinned": was}
+
+
+def _cmd_registry_rollback(registry, args: argparse.Namespace) -> dict:
+    """Reject the newest version no scope rejects, for every replica; they fall back to the one before."""
+    from specray.serving.registry import OPERATOR
+
+    pinned = registry.pinned()
+    if pinned is not None:
+        raise ValueError(f"version {pinned} is pinned, so replicas serve it whatever is rejected; pin another version "
+                         "(specray registry pin N) or unpin first")
+    rejected = registry.rejections()
+    good = [v for v in registry.versions() if v not in rejected]
+    if not good:
+        raise ValueError(f"{registry.uri} has no version to roll back: every version is rejected or none is published")
+    registry.reject(good[-1], OPERATOR, args.reason or "rolled back", by="operator")
+    after = f"version {good[-2]}" if len(good) > 1 else "the drafter they started with (no good version is left)"
+    print(f"rolled back version {good[-1]} (rejected for every replica; `specray registry pin {good[-1]}` serves it "
+          f"again): replicas fall back to {after}")
+    return {"rejected": good[-1], "serving": good[-2] if len(good) > 1 else None}
+
+
+def _cmd_registry_status(registry, args: argparse.Namespace) -> dict:
+    """Every replica's last report: the version it serves, its live tau, what it is loading, its last error."""
+    import time
+
+    from specray.serving.poller import stale_after_s
+
+    pinned, rejected, now = registry.pinned(), registry.rejections(), time.time()
+    good = [v for v in registry.versions() if v not in rejected]
+    replicas = []
+    for r in registry.replicas():
+        age = now - r.get("reported_at", 0)
+        state = "gone" if age > stale_after_s(r) else f"loading v{r['loading']}" if r.get("loading") else "serving"
+        replicas.append({**r, "state": state, "age_s": round(age, 1)})
+    if not args.json:
+        print(f"registry   {registry.uri}: newest good version {good[-1] if good else None}, "
+              f"{'pinned to ' + str(pinned) if pinned else 'not pinned'}")
+        print(f"{'replica':24}  {'version':>7}  {'tau':>6}  {'state':14}  {'report':>8}  last error")
+        for r in replicas:
+            tau = "-" if r.get("tau") is None else f"{r['tau']:.3f}"
+            version = "ar" if r.get("version") is None else r["version"]
+            print(f"{r['replica'][:24]:24}  {version!s:>7}  {tau:>6}  {r['state']:14}  {r['age_s']:>6.0f} s  "
+                  f"{(r.get('last_error') or '-')[:100]}")
+    return {"uri": registry.uri, "pinned": pinned, "newest_good": good[-1] if good else None, "replicas": replicas}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specray", description="capture -> train -> export -> serve for speculative drafters")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -568,6 +695,30 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cmd.add_argument("-c", "--config", help="YAML serve manifest (e.g. manifests/serve.yaml)")
     serve_cmd.add_argument("overrides", nargs="*", metavar="section.field=value")
     serve_cmd.set_defaults(fn=_cmd_serve)
+
+    reg = sub.add_parser("registry", help="operate a drafter registry: versions, publish, pin, rollback, replicas")
+    reg_sub = reg.add_subparsers(dest="action", required=True)
+    for action, text in (("list", "every version: published when, bytes, pinned / rejected / served"),
+                         ("publish", "publish an export directory as the next version (race-safe)"),
+                         ("pin", "serve one version on every replica, whatever is newer"),
+                         ("unpin", "serve the newest good version again"),
+                         ("rollback", "reject the newest good version for every replica: they fall back to the one "
+                                      "before (refused while a version is pinned)"),
+                         ("status", "every replica: the version it serves, its live tau, what it loads")):
+        p = reg_sub.add_parser(action, help=text)
+        p.add_argument("--uri", default=None, help="the registry: a path, file://… or s3://BUCKET/PREFIX")
+        p.add_argument("-c", "--config", default=None, help="a serve manifest whose registry section names it")
+        p.add_argument("--endpoint-url", default=None,
+                       help="S3 endpoint (else the manifest's, or $SPECRAY_S3_ENDPOINT)")
+        if action in ("list", "status"):
+            p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+        if action == "publish":
+            p.add_argument("export", help="an export directory (specray export)")
+        if action == "pin":
+            p.add_argument("version", type=int)
+        if action in ("pin", "rollback"):
+            p.add_argument("--reason", default="", help="recorded with the pin or the rejection")
+        p.set_defaults(fn=_cmd_registry)
 
     regen = sub.add_parser("regenerate", help="answer training prompts with the target itself (self-distillation)")
     regen.add_argument("--out", required=True, help="JSONL to append to (capture reads it as jsonl:PATH)")
