@@ -40,7 +40,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-DEFAULT_TARGET = "embedded:smollm2-135m-instruct"
+from specray.capture.defaults import DEFAULT_TARGET  # noqa: F401 (re-exported; the CLI reads it without torch)
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # ChatML, as SmolLM2-Instruct renders it (the debug target uses the same template).

@@ -15,6 +15,7 @@
     specray bench capture --json bench/capture.json [-c CONFIG] [--repeats 3] [overrides …]
     specray bench train --json bench/train.json [-c CONFIG] [overrides …]
     specray bench load --drafter EXPORT_DIR --clients 4 --minutes 2 --json bench/load.json [-c SERVE_CONFIG] [overrides …]
+    specray --version   (the package version, and the git commit when run from a checkout)
 
 Config mistakes, bad data and bad paths exit with status 2 and a one-paragraph message that
 names the field and the fix; ``inspect --verify`` lists every missing or corrupt blob and
@@ -27,14 +28,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from specray.capture.contract import ContractMismatchError
-from specray.capture.target import DEFAULT_TARGET
-from specray.pipeline.config import CaptureJobConfig, ConfigError, load_config
+from specray.capture.defaults import DEFAULT_TARGET
 
-USER_ERRORS = (ConfigError, ContractMismatchError, ValueError, FileExistsError, FileNotFoundError)
+# ConfigError and ContractMismatchError are ValueErrors: nothing heavy is imported to catch them (`--help`
+# answers at once because the commands import torch, transformers and Ray only when they run).
+USER_ERRORS = (ValueError, FileExistsError, FileNotFoundError)
 
 
 def _cmd_capture(args: argparse.Namespace) -> int:
+    from specray.pipeline.config import CaptureJobConfig, load_config
     from specray.pipeline.jobs.capture import run_capture
 
     cfg = load_config(CaptureJobConfig, args.config, args.overrides)
@@ -44,7 +46,7 @@ def _cmd_capture(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from specray.pipeline.config import TrainJobConfig
+    from specray.pipeline.config import TrainJobConfig, load_config
     from specray.pipeline.jobs.train import run_training
 
     cfg = load_config(TrainJobConfig, args.config, args.overrides)
@@ -74,7 +76,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     import json
 
-    from specray.pipeline.config import apply_overrides
+    from specray.pipeline.config import ConfigError, apply_overrides
     from specray.pipeline.jobs.train import evaluate_export
 
     if args.manifest is None and not args.live:  # the default: the target's own answers to held-out prompts
@@ -192,7 +194,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import time
 
     from specray.actors.serve import start_serving
-    from specray.pipeline.config import ServeJobConfig
+    from specray.pipeline.config import ServeJobConfig, load_config
 
     cfg = load_config(ServeJobConfig, args.config, args.overrides)
     handle = start_serving(cfg)
@@ -211,7 +213,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_pipeline(args: argparse.Namespace) -> int:
     import time
 
-    from specray.pipeline.config import PipelineConfig
+    from specray.pipeline.config import PipelineConfig, load_config
     from specray.pipeline.jobs import run_manifest
 
     cfg = load_config(PipelineConfig, args.manifest, args.overrides)
@@ -290,7 +292,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from specray.pipeline.bench.common import write_json
-    from specray.pipeline.config import TrainJobConfig
+    from specray.pipeline.config import CaptureJobConfig, TrainJobConfig, load_config
 
     if args.benchmark == "serve":
         from specray.pipeline.bench import serve as serve_bench
@@ -343,8 +345,54 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def version_string(root: Path | None = None) -> str:
+    """``specray 0.1.0 (git 1a2b3c4d5e6f)`` from a checkout (``, uncommitted changes`` when its tracked files
+    differ from the commit); ``specray 0.1.0`` for an installed package. ``root``: the folder holding pipeline/."""
+    from importlib.metadata import version
+
+    text = f"specray {version('specray')}"
+    commit = _checkout_commit(root or Path(__file__).resolve().parents[1])
+    return f"{text} (git {commit})" if commit else text
+
+
+def _checkout_commit(root: Path) -> str | None:
+    """The commit of the checkout at ``root``: None unless ``root`` is the top of a git work tree holding
+    specray's pyproject.toml (an installed package inside some other repository reports no commit)."""
+    import subprocess
+
+    pyproject = root / "pyproject.toml"
+    if not pyproject.is_file() or 'name = "specray"' not in pyproject.read_text():
+        return None
+
+    def git(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(root), *argv], capture_output=True, text=True, timeout=30)
+
+    try:
+        top = git("rev-parse", "--show-toplevel")
+    except FileNotFoundError:  # no git on this machine: the version alone
+        return None
+    if top.returncode != 0 or Path(top.stdout.strip()).resolve() != root.resolve():
+        return None
+    commit = git("rev-parse", "--short=12", "HEAD").stdout.strip()
+    dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    return commit + (", uncommitted changes" if dirty else "") if commit else None
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: computed when asked (git runs only then), printed, exit 0."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_string())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specray", description="capture -> train -> export -> serve for speculative drafters")
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print the package version (and the git commit when run from a checkout) and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     capture = sub.add_parser("capture", help="capture target features into a store and write a manifest")
@@ -418,7 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_speculation_args(generate)
     generate.set_defaults(fn=_cmd_generate)
 
-    from specray.serving.cost_table import DEFAULT_BATCH_SIZES, DEFAULT_CONTEXT_TOKENS, DEFAULT_ROWS
+    from specray.serving.cost_grid import DEFAULT_BATCH_SIZES, DEFAULT_CONTEXT_TOKENS, DEFAULT_ROWS
 
     prof = sub.add_parser("profile", help="measure the target's forward time by batch size and rows (the cost table "
                                           "the engine sizes speculative rounds with)")
