@@ -35,7 +35,7 @@ import torch
 import ray
 from ray import serve
 
-from specray.actors.cluster import connect
+from specray.actors.cluster import connect, serve_replica_on_loopback
 from specray.capture.target import load_target
 from specray.serving.engine import Engine, EngineLoop
 from specray.serving.http_guard import HttpLimits, is_loopback
@@ -104,6 +104,7 @@ class SpecrayReplica:
     """One serving replica: target + engine loop + registry poller; its ASGI app is built per replica."""
 
     def __init__(self, spec: ReplicaSpec):
+        serve_replica_on_loopback()
         if spec.num_threads:
             torch.set_num_threads(spec.num_threads)
         self.spec = spec
