@@ -4,10 +4,12 @@ registry on S3 (SeaweedFS here; nothing a later stage or another node reads stay
 disk), and the RayService's Serve config validates against Ray's own schema and its import path
 builds our application from its args."""
 
+import ast
 import json
 import os
 import shlex
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -92,3 +94,236 @@ def test_dockerfile_installs_torch_exactly_first():
     text = (KUBERAY / "Dockerfile").read_text()
     assert "FROM rayproject/ray:2.60.0-py311-cpu" in text
     assert text.index("torch==2.13.0") < text.index("-c constraints.txt .")
+
+
+# -- the image and the manifests around it ------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILE = KUBERAY / "Dockerfile"
+
+
+def _dockerfile_env() -> dict[str, str]:
+    """The image's ENV lines (``ENV A=1 B=2``), as every process in a pod sees them."""
+    env = {}
+    for line in DOCKERFILE.read_text().splitlines():
+        if line.startswith("ENV "):
+            env.update(item.split("=", 1) for item in shlex.split(line[4:]))
+    return env
+
+
+def _cluster_specs() -> list[tuple[str, dict, dict]]:
+    """(manifest, its cluster spec, the whole manifest) of the RayJob and the RayService."""
+    job = yaml.safe_load((KUBERAY / "rayjob-quickstart.yaml").read_text())
+    service = yaml.safe_load((KUBERAY / "rayservice.yaml").read_text())
+    return [("rayjob-quickstart.yaml", job["spec"]["rayClusterSpec"], job),
+            ("rayservice.yaml", service["spec"]["rayClusterConfig"], service)]
+
+
+def _containers(spec: dict) -> list[dict]:
+    return [c for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]] for c in group["template"]["spec"]["containers"]]
+
+
+def test_the_image_leaves_multi_node_clusters_on():
+    """RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 makes Ray 2.60's `ray start --address` abort on Linux too."""
+    from ray._private import ray_constants
+    from ray.scripts import scripts
+
+    assert "Multi-node Ray clusters are not supported" in Path(scripts.__file__).read_text()
+    assert ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR == "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+    assert _dockerfile_env().get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1") != "0"
+    for name, spec, _ in _cluster_specs():
+        for container in _containers(spec):
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            assert env.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1") != "0", name
+
+
+def test_every_dashboard_off_loopback_requires_a_token_and_no_token_is_written_down():
+    for name, spec, _ in _cluster_specs():
+        host = spec["headGroupSpec"]["rayStartParams"].get("dashboard-host", "127.0.0.1")
+        if host not in ("127.0.0.1", "localhost"):
+            assert spec.get("authOptions", {}).get("mode") == "token", f"{name}: dashboard on {host} without a token"
+            assert float(spec["rayVersion"].rsplit(".", 1)[0]) >= 2.52, name  # Ray token auth exists from 2.52
+    for path in [DOCKERFILE, *KUBERAY.glob("*.yaml")]:
+        text = path.read_text()
+        assert "RAY_AUTH_TOKEN=" not in text and "RAY_AUTH_TOKEN:" not in text, f"{path} writes a Ray token down"
+
+
+def test_every_secret_the_pods_read_is_in_the_secrets_template():
+    secrets = {doc["metadata"]["name"]: doc for doc in yaml.safe_load_all((KUBERAY / "secrets.yaml").read_text())}
+    assert all(doc["kind"] == "Secret" for doc in secrets.values())
+    used = set()
+    for name, spec, _ in _cluster_specs():
+        for container in _containers(spec):
+            refs = {ref["secretRef"]["name"] for ref in container.get("envFrom", []) if "secretRef" in ref}
+            refs |= {e["valueFrom"]["secretKeyRef"]["name"] for e in container.get("env", [])
+                     if "secretKeyRef" in e.get("valueFrom", {})}
+            assert refs <= set(secrets), f"{name}: {sorted(refs - set(secrets))} not in secrets.yaml"
+            assert "specray-s3" in refs, f"{name}: every Ray container reads the S3 credentials"
+            used |= refs
+    assert used == set(secrets)
+    assert set(secrets["specray-s3"]["stringData"]) >= {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+    assert set(secrets["specray-api-key"]["stringData"]) == {"SPECRAY_API_KEY"}
+    values = [v for doc in secrets.values() for v in doc["stringData"].values()]
+    assert set(values) == {"REPLACE-ME"}, "the template holds placeholders, never values"
+    job = yaml.safe_load((KUBERAY / "rayjob-quickstart.yaml").read_text())
+    forwarded = yaml.safe_load(job["spec"]["runtimeEnvYAML"])["env_vars"]
+    assert not {k for k in forwarded if "SECRET" in k or "KEY" in k or "TOKEN" in k}, "credentials in a runtime_env"
+
+
+def test_the_port_forward_names_the_service_kuberay_creates():
+    """KubeRay names a RayService's Serve service ``<metadata.name>-serve-svc``; a RayJob's submitter
+    Job has the RayJob's name."""
+    import re
+
+    service = yaml.safe_load((KUBERAY / "rayservice.yaml").read_text())
+    named = re.findall(r"kubectl port-forward svc/(\S+)", (KUBERAY / "rayservice.yaml").read_text())
+    assert named == [f"{service['metadata']['name']}-serve-svc"]
+    job = yaml.safe_load((KUBERAY / "rayjob-quickstart.yaml").read_text())
+    assert re.findall(r"kubectl logs -f job/(\S+)", (KUBERAY / "rayjob-quickstart.yaml").read_text()) == [
+        job["metadata"]["name"]]
+
+
+def test_the_docker_context_leaves_out_every_venv_and_run_output():
+    import re
+
+    ignored = {line.strip().rstrip("/") for line in Path(".dockerignore").read_text().splitlines() if line.strip()}
+    makefile = Path("Makefile").read_text()
+    venvs = set(re.findall(r"^(?:VENV|VLLM_VENV) \?= (\S+)$", makefile, flags=re.M))
+    assert venvs == {".venv", ".venv-vllm"} and venvs <= ignored
+    assert {"runs", "bench", ".git"} <= ignored
+
+
+# -- what the image installs against what its entrypoints import ---------------------------------
+
+PACKAGE_DIRS = {"pipeline", "actors", "capture", "trainer", "serving", "kernels", "drafters"}
+LOADED_BY_NAME = {  # imported by a library from a name in the config, invisible to an import scan
+    "s3fs": "fsspec opens s3:// URIs with it (store.uri, train.storage, serve.registry)",
+    "gguf": "transformers reads the embedded target's GGUF file with it (capture/target.py)",
+}
+
+
+def _imports(tree: ast.AST) -> set[str]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+    return found
+
+
+def _module_file(module: str) -> Path | None:
+    parts = module.split(".")[1:]
+    if not parts or parts[0] not in PACKAGE_DIRS:
+        return None
+    path = ROOT.joinpath(*parts)
+    return path.with_suffix(".py") if path.with_suffix(".py").is_file() else (
+        path / "__init__.py" if (path / "__init__.py").is_file() else None)
+
+
+def _third_party_imports(start: set[str]) -> dict[str, str]:
+    """Top-level modules outside specray and the standard library that the modules ``start`` names import
+    (at module level or inside functions, every specray module they reach likewise): module -> an importer."""
+    found, seen, todo = {}, set(), list(start)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        path = _module_file(name)
+        if path is None:
+            continue
+        for imported in _imports(ast.parse(path.read_text())):
+            top = imported.split(".")[0]
+            if top == "specray":
+                parts = imported.split(".")
+                todo += [".".join(parts[:k]) for k in range(2, len(parts) + 1)]
+            elif top not in sys.stdlib_module_names and top != "__future__":
+                found.setdefault(top, name)
+    return found
+
+
+def _cli_command_imports(command: str) -> set[str]:
+    """What ``specray <command>`` runs: pipeline/cli.py's module-level imports and those of ``_cmd_<command>``."""
+    tree = ast.parse((ROOT / "pipeline" / "cli.py").read_text())
+    top = _imports(ast.Module(body=[n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))], type_ignores=[]))
+    (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == f"_cmd_{command}"]
+    return {m for m in top | _imports(fn) if m.startswith("specray.")}
+
+
+def _image_distributions() -> dict[str, str]:
+    """Every distribution the Dockerfile's pip lines install: the named requirements, ``.`` as specray,
+    and their dependencies (from this venv's metadata, markers evaluated), ``--no-deps`` ones alone."""
+    from importlib.metadata import distribution
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    text = DOCKERFILE.read_text().replace("\\\n", " ")
+    run = next(line for line in text.splitlines() if line.startswith("RUN ") and "pip install" in line)
+    wanted: list[tuple[str, set[str], bool]] = []
+    for command in run[4:].split("&&"):
+        argv = shlex.split(command)
+        assert argv[:2] == ["pip", "install"], command
+        no_deps, skip = "--no-deps" in argv, False
+        for arg in argv[2:]:
+            if skip or arg.startswith("-"):
+                skip = arg in ("-c", "--index-url", "-r") and not skip
+                continue
+            if arg.startswith("."):
+                wanted.append(("specray", set(arg.partition("[")[2].rstrip("]").split(",")) - {""}, no_deps))
+            else:
+                req = Requirement(arg)
+                wanted.append((req.name, set(req.extras), no_deps))
+    installed: dict[str, str] = {}
+    while wanted:
+        name, extras, no_deps = wanted.pop()
+        key = canonicalize_name(name)
+        if key in installed and not extras:
+            continue
+        dist = distribution(name)
+        installed[key] = dist.version
+        if no_deps:
+            continue
+        for line in dist.requires or []:
+            req = Requirement(line)
+            if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in extras | {""}):
+                wanted.append((req.name, set(req.extras), False))
+    return installed
+
+
+def _providers(module: str) -> set[str]:
+    from importlib.metadata import packages_distributions
+
+    from packaging.utils import canonicalize_name
+
+    return {canonicalize_name(d) for d in packages_distributions().get(module, [])}
+
+
+@pytest.mark.parametrize("entrypoint, start", [
+    ("rayjob: specray pipeline run", lambda: _cli_command_imports("pipeline")),
+    ("rayservice: specray.pipeline.jobs.serve:build_app", lambda: {"specray.pipeline.jobs.serve"}),
+], ids=["rayjob", "rayservice"])
+def test_the_image_installs_what_its_entrypoints_import(entrypoint, start):
+    """Each third-party module the entrypoint can import (a superset: every function of every module it
+    reaches), and each package it loads by name, comes from a distribution the image's pip lines install."""
+    from specray.capture.data import DATASETS
+    from specray.capture.target import EMBEDDED_TARGETS
+
+    image = _image_distributions()
+    imported = _third_party_imports(start())
+    assert {"ray", "torch", "openai"} <= set(imported) or "build_app" in entrypoint, imported
+    missing = {m: by for m, by in imported.items() if not _providers(m) & set(image)}
+    assert not missing, f"{entrypoint}: imported but not installed in the image (module: importer): {missing}"
+
+    job = yaml.safe_load((KUBERAY / "rayjob-quickstart.yaml").read_text())
+    argv = shlex.split(job["spec"]["entrypoint"])
+    cfg = load_config(PipelineConfig, argv[3], argv[4:])
+    by_name = set(LOADED_BY_NAME)
+    if cfg.target.name.startswith("embedded:"):
+        by_name.add(EMBEDDED_TARGETS[cfg.target.name.removeprefix("embedded:")].package)
+    by_name |= {DATASETS[d].package for d in (cfg.data.dataset, cfg.bench.dataset, cfg.train.live_eval.dataset)}
+    from packaging.utils import canonicalize_name
+
+    absent = {p for p in by_name if canonicalize_name(p) not in image}
+    assert not absent, f"{entrypoint}: loaded by name but not installed in the image: {sorted(absent)}"
