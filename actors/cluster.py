@@ -14,7 +14,10 @@ local cluster, for the processes it starts (they inherit the variable). Multi-no
 unaffected: their nodes are started by ``ray start`` (KubeRay), not here.
 
 The environment that workers need and do not inherit on another node (the specray cache, the
-S3 endpoint and region, the Triton interpreter switch) travels as the job's ``runtime_env``.
+S3 endpoint and region, the Triton interpreter switch) travels as the job's ``runtime_env``,
+except the variables a submitted job's runtime env sets already (``ray job submit
+--runtime-env-json``, a RayJob's ``runtimeEnvYAML``): workers get those from the job, and Ray
+refuses a driver that sets one again.
 Credentials never do: anyone who can list the cluster's jobs or actors reads a runtime_env
 (``ray list actors --detail``). Workers get credentials from their own environment: a local
 cluster's processes inherit the driver's, KubeRay pods read a Secret (``envFrom``,
@@ -23,10 +26,12 @@ manifests/kuberay/secrets.yaml), cloud nodes use instance roles.
 
 from __future__ import annotations
 
+import json
 import os
 
 import ray
 from ray._private import ray_constants
+from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
 
 FORWARDED_ENV = ("SPECRAY_CACHE", "SPECRAY_S3_ENDPOINT", "TRITON_INTERPRET", "AWS_DEFAULT_REGION")
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray keeps 127.0.0.1 as given (module docstring)
@@ -37,7 +42,8 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> None:
     if ray.is_initialized():
         return
     ray_constants.ENABLE_RAY_CLUSTER = False  # this driver keeps 127.0.0.1 as given
-    runtime_env = {"env_vars": {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}}
+    given = _submitted_job_env_vars()
+    runtime_env = {"env_vars": {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ and k not in given}}
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=False)
@@ -45,6 +51,14 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> None:
         os.environ[LOOPBACK_ENV] = "0"  # the GCS, raylet, agents and workers of the new cluster
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
                  runtime_env=runtime_env, log_to_driver=False)
+
+
+def _submitted_job_env_vars() -> set[str]:
+    """The variables the runtime env of the submitted job this driver runs for sets (none outside a job)."""
+    injected = os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR)
+    if not injected:
+        return set()
+    return set((json.loads(injected).get("runtime_env") or {}).get("env_vars") or {})
 
 
 def serve_replica_on_loopback() -> None:

@@ -91,6 +91,35 @@ def test_connect_forwards_settings_never_credentials():
     assert secret == [], f"connect() would put these into every job's runtime_env: {secret}"
 
 
+def test_a_submitted_jobs_own_variables_are_not_set_again(monkeypatch):
+    """Under ``ray job submit --runtime-env-json`` (a RayJob's runtimeEnvYAML) Ray refuses a driver whose
+    runtime env sets a variable the job's sets too: connect() leaves those to the job."""
+    import json
+
+    import ray
+    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
+
+    from specray.actors import cluster
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("SPECRAY_S3_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t")
+    monkeypatch.setenv(RAY_JOB_CONFIG_JSON_ENV_VAR,
+                       json.dumps({"runtime_env": {"env_vars": {"AWS_DEFAULT_REGION": "us-east-1"}}}))
+    cluster.connect("127.0.0.1:6379")
+    (kwargs,) = calls
+    assert kwargs["address"] == "127.0.0.1:6379"
+    forwarded = kwargs["runtime_env"]["env_vars"]
+    assert forwarded["SPECRAY_S3_ENDPOINT"] == "http://127.0.0.1:9"
+    assert "AWS_DEFAULT_REGION" not in forwarded and "s3cr3t" not in json.dumps(kwargs)
+    monkeypatch.delenv(RAY_JOB_CONFIG_JSON_ENV_VAR)
+    cluster.connect("127.0.0.1:6379")
+    assert calls[1]["runtime_env"]["env_vars"]["AWS_DEFAULT_REGION"] == "us-east-1"
+
+
 def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

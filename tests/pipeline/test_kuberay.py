@@ -327,3 +327,133 @@ def test_the_image_installs_what_its_entrypoints_import(entrypoint, start):
 
     absent = {p for p in by_name if canonicalize_name(p) not in image}
     assert not absent, f"{entrypoint}: loaded by name but not installed in the image: {sorted(absent)}"
+
+
+# -- the RayJob on a real two-node cluster ---------------------------------------------------------
+
+LOOPBACK_RAY = ROOT / "tests" / "ray_loopback.py"
+
+
+def _ray(*argv: str) -> list[str]:
+    """Ray's CLI as this venv runs it."""
+    return [sys.executable, "-m", "ray.scripts.scripts", *argv]
+
+
+def _ray_keeping_loopback(*argv: str) -> list[str]:
+    """Ray's CLI keeping 127.0.0.1 as given with multi-node on (tests/ray_loopback.py)."""
+    return [sys.executable, str(LOOPBACK_RAY), *argv]
+
+
+def _start_params(group: dict, **override: str) -> list[str]:
+    """A group's rayStartParams as ``ray start`` flags (KubeRay passes them the same way), with overrides."""
+    params = {**group["rayStartParams"], **override}
+    return [f"--{key}={value}" for key, value in params.items()]
+
+
+def _wait_for_nodes(env: dict, dashboard: str, count: int, timeout_s: float = 120) -> list[dict]:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done = subprocess.run(_ray("list", "nodes", "--format", "json", "--address", dashboard), env=env,
+                              capture_output=True, text=True, timeout=60)
+        nodes = [n for n in json.loads(done.stdout or "[]") if n["state"] == "ALIVE"] if done.returncode == 0 else []
+        if len(nodes) == count:
+            return nodes
+        assert time.monotonic() < deadline, f"{len(nodes)} of {count} nodes alive: {done.stdout[-2000:]} {done.stderr[-2000:]}"
+        time.sleep(2)
+
+
+@pytest.mark.ray
+@pytest.mark.s3
+@pytest.mark.timeout(1800)
+def test_the_rayjob_runs_on_a_two_node_cluster_with_its_work_on_the_worker(seaweedfs, tmp_path):
+    """The RayJob as KubeRay runs it, on one machine: a head node and a worker node started by ``ray start``
+    with the manifest's rayStartParams (the head: no CPUs; the worker: the CPUs of its pod's limits), the
+    image's environment (multi-node on), Ray token auth as ``authOptions`` sets it on every container, the
+    S3 credentials in the nodes' own environment; ``ray job submit`` of the entrypoint with its runtime env.
+    The job succeeds, its actors that need CPUs ran on the worker node, no actor's runtime env holds a
+    credential, a request without the token is refused, and every socket the nodes listen on is loopback."""
+    import secrets as token_source
+    import tempfile
+    import urllib.error
+    import urllib.request
+
+    from ports import free_port
+    from ray_processes import bound_sockets, is_loopback, processes_of, stop_only
+    from test_pipeline import TINY
+
+    job = yaml.safe_load((KUBERAY / "rayjob-quickstart.yaml").read_text())
+    spec = job["spec"]["rayClusterSpec"]
+    assert spec["authOptions"]["mode"] == "token"
+    token = token_source.token_hex(32)
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | _dockerfile_env() | {
+        "HOME": str(home), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}  # what authOptions sets
+    # One machine, not pods: the head's processes (its job agent joins the cluster with ray.init) keep 127.0.0.1
+    # only with this set; the worker node runs with the image's environment, where it would refuse to join.
+    head_env = env | {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    temp_dir = tempfile.mkdtemp(prefix="r2", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    gcs, dashboard_port, client, head_agent, worker_agent, serve_port = (free_port() for _ in range(6))
+    dashboard = f"http://127.0.0.1:{dashboard_port}"
+    head_group, (worker_group,) = spec["headGroupSpec"], spec["workerGroupSpecs"]
+    worker_cpus = worker_group["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"]
+    node = ["--node-ip-address=127.0.0.1", "--object-store-memory=200000000", "--disable-usage-stats"]
+    head = _ray("start", "--head", *node, f"--port={gcs}", f"--dashboard-port={dashboard_port}",
+                f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={head_agent}",
+                f"--temp-dir={temp_dir}", *_start_params(head_group, **{"dashboard-host": "127.0.0.1"}))
+    worker = _ray_keeping_loopback("start", f"--address=127.0.0.1:{gcs}", *node, f"--dashboard-agent-listen-port={worker_agent}",
+                  f"--num-cpus={worker_cpus}", *_start_params(worker_group))
+    starters = []
+    try:
+        for argv, node_env in ((head, head_env), (worker, env)):  # cwd: the image's workingDir (relative paths)
+            starters.append(subprocess.Popen(argv, env=node_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                             text=True, start_new_session=True))
+            out, _ = starters[-1].communicate(timeout=180)
+            assert starters[-1].returncode == 0, out[-3000:]
+        nodes = _wait_for_nodes(env, dashboard, 2)
+        (head_node,) = [n["node_id"] for n in nodes if n["is_head_node"]]
+        (worker_node,) = [n["node_id"] for n in nodes if not n["is_head_node"]]
+        assert {n["node_ip"] for n in nodes} == {"127.0.0.1"}
+
+        with pytest.raises(urllib.error.HTTPError) as refused:  # the job server wants the token
+            urllib.request.urlopen(f"{dashboard}/api/jobs/", timeout=30)
+        assert refused.value.code == 401
+
+        prefix = seaweedfs.uri(f"rayjob2-{uuid.uuid4().hex[:8]}")
+        run_dir = tmp_path / "quickstart"
+        entrypoint = shlex.split(job["spec"]["entrypoint"].replace("s3://specray/quickstart", prefix))
+        entrypoint += [*TINY, "train.drafter.draft_vocab_size=128", "bench.enabled=false", f"output.run_dir={run_dir}",
+                       f"serve.http.port={serve_port}"]
+        runtime_env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])
+        submit = subprocess.run(_ray("job", "submit", "--address", dashboard, "--runtime-env-json",
+                                     json.dumps(runtime_env), "--", *entrypoint),
+                                env=env, capture_output=True, text=True, timeout=1200)
+        assert submit.returncode == 0 and "succeeded" in submit.stdout, submit.stdout[-4000:] + submit.stderr[-3000:]
+        report = json.loads((run_dir / "report.json").read_text())
+        assert report["train"]["steps"] == 4 and report["serve"]["smoke_requests"] == 2
+
+        listed = subprocess.run(_ray("list", "actors", "--detail", "--format", "json", "--limit", "10000",
+                                     "--address", dashboard), env=env, capture_output=True, text=True, timeout=120)
+        assert listed.returncode == 0, listed.stderr[-3000:]
+        actors = json.loads(listed.stdout)
+        working = [a for a in actors if any(k == "CPU" or k.startswith("CPU_group_") and v > 0
+                                            for k, v in (a.get("required_resources") or {}).items())]
+        kinds = {a["class_name"] for a in working}
+        every = sorted({(a["class_name"], json.dumps(a.get("required_resources"))) for a in actors})
+        assert "CaptureActor" in kinds and f"ServeReplica:{report['name']}:SpecrayReplica" in kinds, every
+        assert any("Train" in k for k in kinds), every
+        assert {a["node_id"] for a in working} == {worker_node}, [(a["class_name"], a["node_id"]) for a in working]
+        assert head_node in {a["node_id"] for a in actors}  # the head ran its control actors (Serve's controller)
+        assert os.environ["AWS_SECRET_ACCESS_KEY"] not in listed.stdout, "a credential in an actor's runtime env"
+
+        sockets = bound_sockets(processes_of(starters[0].pid, temp_dir))
+        assert sockets and not [s for s in sockets if not is_loopback(s[0])]
+    finally:
+        left = sorted({pid for p in starters for pid in stop_only(p.pid, temp_dir)})
+        if not left:
+            import shutil
+
+            shutil.rmtree(temp_dir, ignore_errors=True)
+    assert left == [], f"processes of the test's cluster still running: {left}"
