@@ -345,39 +345,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def version_string(root: Path | None = None) -> str:
-    """``specray 0.1.0 (git 1a2b3c4d5e6f)`` from a checkout (``, uncommitted changes`` when its tracked files
-    differ from the commit); ``specray 0.1.0`` for an installed package. ``root``: the folder holding pipeline/."""
-    from importlib.metadata import version
-
-    text = f"specray {version('specray')}"
-    commit = _checkout_commit(root or Path(__file__).resolve().parents[1])
-    return f"{text} (git {commit})" if commit else text
-
-
-def _checkout_commit(root: Path) -> str | None:
-    """The commit of the checkout at ``root``: None unless ``root`` is the top of a git work tree holding
-    specray's pyproject.toml (an installed package inside some other repository reports no commit)."""
-    import subprocess
-
-    pyproject = root / "pyproject.toml"
-    if not pyproject.is_file() or 'name = "specray"' not in pyproject.read_text():
-        return None
-
-    def git(*argv: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["git", "-C", str(root), *argv], capture_output=True, text=True, timeout=30)
-
-    try:
-        top = git("rev-parse", "--show-toplevel")
-    except FileNotFoundError:  # no git on this machine: the version alone
-        return None
-    if top.returncode != 0 or Path(top.stdout.strip()).resolve() != root.resolve():
-        return None
-    commit = git("rev-parse", "--short=12", "HEAD").stdout.strip()
-    dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
-    return commit + (", uncommitted changes" if dirty else "") if commit else None
-
-
 class _VersionAction(argparse.Action):
     """``--version``: computed when asked (git runs only then), printed, exit 0."""
 
@@ -385,6 +352,8 @@ class _VersionAction(argparse.Action):
         super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None):
+        from specray.pipeline.version import version_string
+
         print(version_string())
         parser.exit()
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from specray.pipeline.cli import build_parser, version_string
+from specray.pipeline.cli import build_parser
+from specray.pipeline.version import version_string
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECRAY = Path(sys.executable).with_name("specray")
