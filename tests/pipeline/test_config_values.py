@@ -132,8 +132,9 @@ def test_numbers_read_as_yaml_1_2(tmp_path):
      r"run\.yaml, line 1, column 7: could not determine a constructor for the tag "
      r"'tag:yaml\.org,2002:python/object/apply:os\.system'\. Fix: manifests take plain YAML only: drop the tag"),
     ("train:\n  optim: !Optim {lr: 1}\n", r"line 2, column 10: could not determine a constructor for the tag '!Optim'"),
-    ("train:\n  num_workers: [1,\n", r"line 3, column 1: while parsing a flow node expected the node content, but found '<stream end>'\. Fix: "
-                                  r"check the indentation"),
+    ("train:\n  num_workers: [1,\n",
+     r"line 3, column 1: while parsing a flow node expected the node content, but found '<stream end>'\. Fix: "
+     r"check the indentation"),
     ("train:\n\tnum_workers: 2\n", r"line 2, column 1: while scanning for the next token found character '\\t'"),
     ("name: a\ntrain: {num_workers: 1}\nname: b\n",
      r"line 3, column 1: while reading a mapping found the key 'name' twice \(the first one at line 1\)\. Fix: keep "

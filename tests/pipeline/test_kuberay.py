@@ -120,7 +120,8 @@ def _cluster_specs() -> list[tuple[str, dict, dict]]:
 
 
 def _containers(spec: dict) -> list[dict]:
-    return [c for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]] for c in group["template"]["spec"]["containers"]]
+    groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+    return [c for group in groups for c in group["template"]["spec"]["containers"]]
 
 
 def test_the_image_leaves_multi_node_clusters_on():
@@ -246,7 +247,8 @@ def _third_party_imports(start: set[str]) -> dict[str, str]:
 def _cli_command_imports(command: str) -> set[str]:
     """What ``specray <command>`` runs: pipeline/cli.py's module-level imports and those of ``_cmd_<command>``."""
     tree = ast.parse((ROOT / "pipeline" / "cli.py").read_text())
-    top = _imports(ast.Module(body=[n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))], type_ignores=[]))
+    module_level = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    top = _imports(ast.Module(body=module_level, type_ignores=[]))
     (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == f"_cmd_{command}"]
     return {m for m in top | _imports(fn) if m.startswith("specray.")}
 
@@ -360,7 +362,7 @@ def _wait_for_nodes(env: dict, dashboard: str, count: int, timeout_s: float = 12
         nodes = [n for n in json.loads(done.stdout or "[]") if n["state"] == "ALIVE"] if done.returncode == 0 else []
         if len(nodes) == count:
             return nodes
-        assert time.monotonic() < deadline, f"{len(nodes)} of {count} nodes alive: {done.stdout[-2000:]} {done.stderr[-2000:]}"
+        assert time.monotonic() < deadline, f"{len(nodes)} of {count} nodes: {done.stdout[-2000:]} {done.stderr[-2000:]}"
         time.sleep(2)
 
 
@@ -403,13 +405,14 @@ def test_the_rayjob_runs_on_a_two_node_cluster_with_its_work_on_the_worker(seawe
     head = _ray("start", "--head", *node, f"--port={gcs}", f"--dashboard-port={dashboard_port}",
                 f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={head_agent}",
                 f"--temp-dir={temp_dir}", *_start_params(head_group, **{"dashboard-host": "127.0.0.1"}))
-    worker = _ray_keeping_loopback("start", f"--address=127.0.0.1:{gcs}", *node, f"--dashboard-agent-listen-port={worker_agent}",
-                  f"--num-cpus={worker_cpus}", *_start_params(worker_group))
+    worker = _ray_keeping_loopback("start", f"--address=127.0.0.1:{gcs}", *node,
+                                   f"--dashboard-agent-listen-port={worker_agent}", f"--num-cpus={worker_cpus}",
+                                   *_start_params(worker_group))
     starters = []
     try:
         for argv, node_env in ((head, head_env), (worker, env)):  # cwd: the image's workingDir (relative paths)
-            starters.append(subprocess.Popen(argv, env=node_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                             text=True, start_new_session=True))
+            starters.append(subprocess.Popen(argv, env=node_env, cwd=ROOT, stdout=subprocess.PIPE,
+                                             stderr=subprocess.STDOUT, text=True, start_new_session=True))
             out, _ = starters[-1].communicate(timeout=180)
             assert starters[-1].returncode == 0, out[-3000:]
         nodes = _wait_for_nodes(env, dashboard, 2)
