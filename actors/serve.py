@@ -40,7 +40,7 @@ import torch
 import ray
 from ray import serve
 
-from specray.actors.cluster import connect
+from specray.actors.cluster import connect, serve_replica_on_loopback
 from specray.capture.chat import resolve_chat_template
 from specray.capture.devices import resolve_device
 from specray.capture.target import load_target
@@ -192,6 +192,7 @@ class SpecrayReplica:
     """One serving replica: target + engine loop + registry poller; its ASGI app is built per replica."""
 
     def __init__(self, spec: ReplicaSpec):
+        serve_replica_on_loopback()
         if spec.num_threads:
             torch.set_num_threads(spec.num_threads)
         self.spec = spec

@@ -68,7 +68,8 @@ from specray.capture.chat import with_template_kwargs
 from specray.capture.devices import resolve_device, resolve_dtype
 from specray.drafters.target_spec import check_supported
 
-DEFAULT_TARGET = "embedded:smollm2-135m-instruct"
+from specray.capture.defaults import DEFAULT_TARGET  # noqa: F401 (re-exported; the CLI reads it without torch)
+
 WEIGHTS = ("all", "heads", "none")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 

@@ -19,6 +19,7 @@
     specray bench capture --json bench/capture.json [-c CONFIG] [--repeats 3] [overrides …]
     specray bench train --json bench/train.json [-c CONFIG] [overrides …]
     specray bench load --drafter EXPORT_DIR --clients 4 --minutes 2 --json bench/load.json [-c SERVE_CONFIG] [overrides …]
+    specray --version   (the package version, and the git commit when run from a checkout)
 
 Config mistakes, bad data and bad paths exit with status 2 and a one-paragraph message that
 names the field and the fix; ``inspect --verify`` lists every missing or corrupt blob and
@@ -31,14 +32,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from specray.capture.contract import ContractMismatchError
-from specray.capture.target import DEFAULT_TARGET
-from specray.pipeline.config import CaptureJobConfig, ConfigError, load_config
+from specray.capture.defaults import DEFAULT_TARGET
 
-USER_ERRORS = (ConfigError, ContractMismatchError, ValueError, FileExistsError, FileNotFoundError)
+# ConfigError and ContractMismatchError are ValueErrors: nothing heavy is imported to catch them (`--help`
+# answers at once because the commands import torch, transformers and Ray only when they run).
+USER_ERRORS = (ValueError, FileExistsError, FileNotFoundError)
 
 
 def _cmd_capture(args: argparse.Namespace) -> int:
+    from specray.pipeline.config import CaptureJobConfig, load_config
     from specray.pipeline.jobs.capture import run_capture
 
     cfg = load_config(CaptureJobConfig, args.config, args.overrides)
@@ -48,7 +50,7 @@ def _cmd_capture(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from specray.pipeline.config import TrainJobConfig
+    from specray.pipeline.config import TrainJobConfig, load_config
     from specray.pipeline.jobs.train import run_training
 
     cfg = load_config(TrainJobConfig, args.config, args.overrides)
@@ -127,7 +129,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
     from specray.capture.store import read_manifest
     from specray.drafters.peer_import import is_peer_directory
-    from specray.pipeline.config import apply_overrides
+    from specray.pipeline.config import ConfigError, apply_overrides
     from specray.pipeline.jobs.train import evaluate_export
 
     if is_peer_directory(args.export):  # imported under the dtype the features it is evaluated on are stored in
@@ -262,7 +264,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import time
 
     from specray.actors.serve import start_serving
-    from specray.pipeline.config import ServeJobConfig
+    from specray.pipeline.config import ServeJobConfig, load_config
 
     cfg = load_config(ServeJobConfig, args.config, args.overrides)
     handle = start_serving(cfg)
@@ -281,7 +283,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_pipeline(args: argparse.Namespace) -> int:
     import time
 
-    from specray.pipeline.config import PipelineConfig
+    from specray.pipeline.config import PipelineConfig, load_config
     from specray.pipeline.jobs import run_manifest
 
     cfg = load_config(PipelineConfig, args.manifest, args.overrides)
@@ -301,7 +303,7 @@ def _cmd_pipeline(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from specray.pipeline.config import PipelineConfig
+    from specray.pipeline.config import PipelineConfig, load_config
     from specray.pipeline.jobs.plan import parse_bytes, plan, plan_table, write_json
 
     cfg = load_config(PipelineConfig, args.manifest, args.overrides)
@@ -373,7 +375,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from specray.pipeline.bench.common import write_json
-    from specray.pipeline.config import TrainJobConfig
+    from specray.pipeline.config import CaptureJobConfig, TrainJobConfig, load_config
 
     if args.benchmark == "serve":
         from specray.pipeline.bench import serve as serve_bench
@@ -428,7 +430,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _cmd_registry_open(args: argparse.Namespace):
     """The registry ``specray registry`` works on: ``--uri``, or a serve manifest's ``registry`` section."""
-    from specray.pipeline.config import ServeJobConfig
+    from specray.pipeline.config import ConfigError, ServeJobConfig, load_config
     from specray.serving.registry import DrafterRegistry
 
     if args.uri is None and args.config is None:
@@ -552,8 +554,23 @@ def _cmd_registry_status(registry, args: argparse.Namespace) -> dict:
     return {"uri": registry.uri, "pinned": pinned, "newest_good": good[-1] if good else None, "replicas": replicas}
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: computed when asked (git runs only then), printed, exit 0."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from specray.pipeline.version import version_string
+
+        print(version_string())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specray", description="capture -> train -> export -> serve for speculative drafters")
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print the package version (and the git commit when run from a checkout) and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     capture = sub.add_parser("capture", help="capture target features into a store and write a manifest")
@@ -651,7 +668,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_speculation_args(generate)
     generate.set_defaults(fn=_cmd_generate)
 
-    from specray.serving.cost_table import DEFAULT_BATCH_SIZES, DEFAULT_CONTEXT_TOKENS, DEFAULT_ROWS
+    from specray.serving.cost_grid import DEFAULT_BATCH_SIZES, DEFAULT_CONTEXT_TOKENS, DEFAULT_ROWS
 
     prof = sub.add_parser("profile", help="measure the target's forward time by batch size and rows (the cost table "
                                           "the engine sizes speculative rounds with)")

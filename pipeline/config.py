@@ -8,11 +8,13 @@ the error messages live in ``pipeline/config_loading.py`` (re-exported here).
 
 from __future__ import annotations
 
+import re
+import unicodedata
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from specray.capture.chat import NAMED_TEMPLATES, check_chat_template, check_template_kwargs
@@ -28,6 +30,7 @@ from specray.trainer.core import OptimSettings
 from specray.trainer.strategies import get_strategy
 from specray.trainer.tracking import TrackingSettings
 from specray.pipeline.config_loading import ConfigError, apply_overrides, load_config  # noqa: F401 (re-exported)
+from specray.pipeline.jobs.rundir import RUNS_ROOT
 
 
 def _absolute(path_or_uri: str) -> str:
@@ -36,7 +39,49 @@ def _absolute(path_or_uri: str) -> str:
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+MAX_NAME = 128
+SUB_RUN_SUFFIX = {"offline": "-capture", "online": "-capture", "closed_loop": "-initial-capture"}
+"""The longest suffix a pipeline of each mode appends to its name for a sub-run (``capture_job``; the closed
+loop's offline and online pipelines, pipeline/jobs/closed_loop.py): the room a pipeline's name leaves."""
+
+
+def _name_problem(value: str) -> str:
+    """What makes ``value`` no run name (``_one_path_component``)."""
+    control = [c for c in value if unicodedata.category(c).startswith("C")]
+    if not value:
+        return "is empty"
+    if control:
+        return f"contains the control character {control[0]!r}"
+    if "/" in value or "\\" in value:
+        return "contains a path separator"
+    if len(value) > MAX_NAME:
+        return f"is longer than {MAX_NAME} characters"
+    if value[0] in ".-":
+        return f"starts with {value[0]!r}"
+    return "contains a character other than letters, digits, '.', '_' and '-'"
+
+
+def _one_path_component(value: str) -> str:
+    """A run name: one path component under ``runs/`` (pipeline/jobs/rundir.py)."""
+    if _NAME.fullmatch(value) and len(value) <= MAX_NAME:
+        return value
+    raise ValueError(
+        f"the run name {_name_problem(value)}; it names one directory, runs/<name>, and the run's Serve app, "
+        f"manifest and ledger: use letters, digits, '.', '_' and '-', starting with a letter or digit, at most "
+        f"{MAX_NAME} characters (e.g. name=quickstart-2)")
+
+
+RunName = Annotated[str, AfterValidator(_one_path_component)]
+"""A job's ``name``: validated as one path component (never empty, ``..``, ``a/b`` or a control character)."""
+
+
+def _strict(info: ValidationInfo) -> bool:
+    """Whether this validation runs strictly (``load_config``), so a section validated by hand runs so too."""
+    return bool((info.context or {}).get("strict"))
 
 
 class TargetConfig(Section):
@@ -152,13 +197,13 @@ class JobConfig(Section):
 
     @property
     def run_dir(self) -> Path:
-        return Path(self.output.run_dir or Path("runs") / self.name)
+        return Path(self.output.run_dir or RUNS_ROOT / self.name)
 
 
 class CaptureJobConfig(JobConfig):
     """``specray capture``: render a dataset, capture features, write a manifest."""
 
-    name: str = Field("capture", description="run name; the default run dir is runs/<name>")
+    name: RunName = Field("capture", description="run name; the default run dir is runs/<name>")
     target: TargetConfig = TargetConfig()
     data: DataConfig = DataConfig()
     capture: CaptureConfig = CaptureConfig()
@@ -187,7 +232,7 @@ DrafterSection = Annotated[Union[tuple(spec.section for spec in DRAFTERS.values(
 discriminated by ``algorithm`` (default dflash)."""
 
 
-def _drafter_section(cls, value: Any) -> Any:
+def _drafter_section(cls, value: Any, info: ValidationInfo) -> Any:
     """Validate a ``drafter`` mapping as its algorithm's section; refuse an algorithm without a
     registered drafter and train strategy, naming the implemented ones."""
     if not isinstance(value, dict):
@@ -199,7 +244,7 @@ def _drafter_section(cls, value: Any) -> Any:
         error = PydanticCustomError("algorithm_not_implemented", str(e).replace("{", "{{").replace("}", "}}"))
         raise ValidationError.from_exception_data(
             "drafter", [InitErrorDetails(type=error, loc=("algorithm",), input=value["algorithm"])]) from None
-    return get_drafter(value["algorithm"]).section.model_validate(value)
+    return get_drafter(value["algorithm"]).section.model_validate(value, strict=_strict(info), context=info.context)
 
 
 def _objective_section(cls, value: Any, info: ValidationInfo) -> Any:
@@ -208,7 +253,9 @@ def _objective_section(cls, value: Any, info: ValidationInfo) -> Any:
     if drafter is None:  # the drafter section is invalid: its error is reported
         return value
     objective = get_strategy(drafter.algorithm).objective
-    return value if isinstance(value, objective) else objective.model_validate(value)
+    if isinstance(value, objective):
+        return value
+    return objective.model_validate(value, strict=_strict(info), context=info.context)
 
 
 def _drafter_field() -> Any:
@@ -301,7 +348,7 @@ class TrainOutputSection(Section):
 class TrainJobConfig(JobConfig):
     """``specray train``: train a drafter on a captured manifest."""
 
-    name: str = Field("train", description="run name; the default run dir is runs/<name>")
+    name: RunName = Field("train", description="run name; the default run dir is runs/<name>")
     target: TargetConfig = TargetConfig()
     data: TrainDataConfig
     drafter: DrafterSection = _drafter_field()
@@ -477,7 +524,7 @@ class ServeOutputSection(Section):
 class ServeJobConfig(JobConfig):
     """``specray serve``: OpenAI-compatible Ray Serve replicas that hot-load drafters from a registry."""
 
-    name: str = Field("serve", description="Ray Serve application name; the default run dir is runs/<name>")
+    name: RunName = Field("serve", description="Ray Serve application name; the default run dir is runs/<name>")
     model_name: str | None = Field(None, description="the model id clients send (None = the target's name)")
     target: TargetConfig = TargetConfig()
     engine: ServeEngineSection = ServeEngineSection()
@@ -562,7 +609,7 @@ class PipelineOutputSection(Section):
 class PipelineConfig(JobConfig):
     """``specray pipeline run``: capture → train → export → serve → bench on Ray, one report."""
 
-    name: str = Field("pipeline", description="run name; the default run dir is runs/<name>")
+    name: RunName = Field("pipeline", description="run name; the default run dir is runs/<name>")
     mode: Literal["offline", "online", "closed_loop"] = Field(
         "offline", description="offline: capture everything, then train on the manifest; online: capture actors "
                                "and the trainer gang run at once, consume-once, bounded store; closed_loop: serve, "
@@ -581,6 +628,15 @@ class PipelineConfig(JobConfig):
     closed_loop: ClosedLoopSection = Field(default_factory=ClosedLoopSection,
                                            description="mode=closed_loop: iterations, records per iteration, the load")
     output: PipelineOutputSection = PipelineOutputSection()
+
+    @model_validator(mode="after")
+    def _name_leaves_room_for_sub_runs(self) -> "PipelineConfig":
+        suffix = SUB_RUN_SUFFIX[self.mode]
+        if len(self.name) + len(suffix) > MAX_NAME:
+            raise ValueError(f"name: with mode={self.mode} the run name has at most {MAX_NAME - len(suffix)} "
+                             f"characters (got {len(self.name)}): its sub-runs append up to {len(suffix)} "
+                             f"(<name>{suffix}); shorten it")
+        return self
 
     @model_validator(mode="after")
     def _online_bound_holds_a_window(self) -> "PipelineConfig":
