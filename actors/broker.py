@@ -387,8 +387,14 @@ class WindowQueue:
         return any(sid in self.lost or sid in self.recapturing for sid in sample_ids)
 
     def stall_reason(self, window_waiters: int, reserve_waiters: int) -> str | None:
-        """Why waiting cannot end: every rank waits for a window and producers wait for room."""
+        """Why waiting cannot end: every rank waits for a window that cannot be cut, and producers wait for room.
+
+        A waiter woken by an offer may look before the ranks it woke took their window: while
+        ``pending`` holds a window's refs (or the stream ended), the ranks are about to return.
+        """
         if window_waiters < self.world_size or reserve_waiters == 0 or self.reserved_samples:
+            return None
+        if len(self.pending) >= self.quantum or self.closed:
             return None
         return (f"deadlock: all {self.world_size} ranks wait for window step {self.next_step} "
                 f"({len(self.pending)} of Q={self.quantum} refs pending) while producers wait for room "

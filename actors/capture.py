@@ -2,7 +2,9 @@
 
 ``CaptureActor`` wraps ``capture.server.CaptureServer``: the target is loaded once, in the
 constructor, and ``capture(batch_id, samples)`` runs one padded forward and writes one blob
-per sample. ``CapturePool`` is the driver side: N actors fed from an iterable of
+per sample. An actor asks Ray for ``num_gpus_per_actor`` GPUs; ``target_device`` (``auto | cpu |
+cuda``) is resolved against what Ray granted it (``ray.get_gpu_ids()``), and with more than one
+GPU the target is placed across them (``capture/target.py::target_placement``). ``CapturePool`` is the driver side: N actors fed from an iterable of
 ``(batch_id, samples)`` batches, each batch's SampleRefs handed to a sink::
 
     pool = CapturePool("debug", contract, "file:///tmp/features", num_actors=2)
@@ -53,7 +55,8 @@ from specray.capture.contract import CaptureContract
 from specray.capture.data import RenderedSample
 from specray.capture.server import CaptureServer
 from specray.capture.store import SampleRef, open_store
-from specray.capture.target import load_target
+from specray.capture.devices import resolve_device
+from specray.capture.target import load_target, target_placement
 
 Batch = tuple[str, list[RenderedSample]]  # (batch_id, samples)
 
@@ -63,13 +66,19 @@ class CaptureActor:
     """A CaptureServer in its own process; ``capture`` is deterministic per batch."""
 
     def __init__(self, target: str, contract: CaptureContract, store_uri: str, *,
-                 endpoint_url: str | None = None, target_dtype: str = "float32", chat_template: str | None = None):
+                 endpoint_url: str | None = None, target_dtype: str = "float32", target_device: str = "cpu",
+                 chat_template: str | None = None):
         # Ray ships this class by value, so this module's imports do not run in the actor.
         import specray.actors.object_store  # noqa: F401  (registers ray://)
 
+        gpus = len(ray.get_gpu_ids())
+        device = resolve_device(target_device, field="target.device", gpus=gpus,
+                                fix="set capture.num_gpus_per_actor=1 (or more) so that Ray grants each capture actor "
+                                    "a GPU, or target.device=auto")
         store = open_store(store_uri, endpoint_url=endpoint_url)
-        target = load_target(target, dtype=target_dtype, chat_template=chat_template)  # the plan's chat template
-        self.server = CaptureServer(target, contract, store)
+        placed = load_target(target, dtype=target_dtype, chat_template=chat_template,  # the plan's chat template
+                             **target_placement(device, gpus))
+        self.server = CaptureServer(placed, contract, store)
 
     def ready(self) -> int:
         """Health probe: answers once the target is loaded; returns the process id."""
@@ -80,6 +89,14 @@ class CaptureActor:
         if not samples:
             raise ValueError(f"batch {batch_id!r} has no samples")
         return self.server.capture(samples, only=only)
+
+
+def actor_options(num_cpus: float, num_gpus: float, max_restarts: int) -> dict:
+    """Ray options of a capture actor: its CPUs and GPUs (``capture.num_cpus_per_actor`` /
+    ``num_gpus_per_actor``), restarts by Ray, and no task retries (the pool re-sends lost batches)."""
+    if num_gpus < 0:
+        raise ValueError(f"capture.num_gpus_per_actor must be >= 0, got {num_gpus}")
+    return {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_restarts": max_restarts, "max_task_retries": 0}
 
 
 @dataclass(frozen=True)
@@ -143,7 +160,8 @@ class CapturePool:
     def __init__(self, target: str, contract: CaptureContract, store_uri: str, *, endpoint_url: str | None = None,
                  num_actors: int = 1, num_cpus_per_actor: float = 1.0, max_restarts: int = 3,
                  max_inflight_batches: int = 2, target_dtype: str = "float32", max_batch_attempts: int = 3,
-                 start_timeout_s: float = 300.0, stall_timeout_s: float = 600.0, chat_template: str | None = None):
+                 start_timeout_s: float = 300.0, stall_timeout_s: float = 600.0, num_gpus_per_actor: float = 0.0,
+                 target_device: str = "cpu", chat_template: str | None = None):
         """``chat_template``: the template text the plan rendered with (``Target.chat_template``; None =
         the tokenizer's own), so every actor's target has the contract's template fingerprint."""
         if not ray.is_initialized():
@@ -157,10 +175,11 @@ class CapturePool:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
         # Opened here first: a ray:// store's directory then lives as long as this driver.
         self.store = open_store(store_uri, endpoint_url=endpoint_url)
-        self._actor_cls = CaptureActor.options(num_cpus=num_cpus_per_actor, max_restarts=max_restarts, max_task_retries=0)
+        self._actor_cls = CaptureActor.options(**actor_options(num_cpus_per_actor, num_gpus_per_actor, max_restarts))
         self._actor_args = (target, contract, store_uri)
-        self._actor_kwargs = {"endpoint_url": endpoint_url, "target_dtype": target_dtype, "chat_template": chat_template}
-        self.num_cpus_per_actor = num_cpus_per_actor
+        self._actor_kwargs = {"endpoint_url": endpoint_url, "target_dtype": target_dtype, "target_device": target_device,
+                              "chat_template": chat_template}
+        self.num_cpus_per_actor, self.num_gpus_per_actor = num_cpus_per_actor, num_gpus_per_actor
         self.max_inflight_batches = max_inflight_batches
         self.max_batch_attempts = max_batch_attempts
         self.start_timeout_s = start_timeout_s
@@ -345,8 +364,10 @@ class CapturePool:
                                f"({len(st.pending)} outstanding); an actor is hung")
 
     def _start_timeout_message(self) -> str:
+        gpus = f" and {self.num_gpus_per_actor:g} free GPUs" if self.num_gpus_per_actor else ""
         return (f"a capture actor did not start within {self.start_timeout_s:.0f} s; the cluster may lack "
-                f"{self.num_cpus_per_actor} free CPUs per actor (lower num_actors or num_cpus_per_actor)")
+                f"{self.num_cpus_per_actor:g} free CPUs{gpus} per actor (lower capture.num_actors, "
+                f"capture.num_cpus_per_actor or capture.num_gpus_per_actor)")
 
     def _complete(self, ref: ray.ObjectRef, st: _RunState) -> None:
         attempt = st.pending.pop(ref)

@@ -8,22 +8,27 @@
 or ``specray serve -c manifests/serve.yaml [section.field=value …]`` (until Ctrl-C).
 
 Each replica (``SpecrayReplica``) loads the target, owns an ``Engine`` stepped by an
-``EngineLoop`` thread and, with a registry, a ``RegistryPoller`` thread that pulls each newer
-drafter version and hot-loads it between engine steps (serving/engine.py, serving/registry.py).
+``EngineLoop`` thread and, with a registry, a ``RegistryPoller`` that keeps it on the version it
+should serve (the pinned one, else the newest good one), hot-loaded between engine steps, and
+reports what it serves to the registry (serving/engine.py, serving/poller.py, serving/registry.py).
 Its HTTP app is serving/openai_api.py's, built in the replica (a FastAPI ingress) behind its
 request guard (API key or loopback clients only, body and prompt limits: ``http.limits``), so Ray
-adds only what Ray is for: the proxy on ``http.host:http.port`` (127.0.0.1 by default; any other
-host is refused without an API key), Serve's autoscaler between ``min_replicas`` and
-``max_replicas`` aiming at ``target_ongoing_requests`` per replica, and replacement of a
-replica that died or whose engine loop thread stopped (``check_health``). With ``record.uri`` each
-replica records its finished requests under ``<record.uri>/<replica id>/`` (serving/recorder.py). Local paths in the
-config are made absolute for the replicas; on a cluster of several machines use an ``s3://``
-registry, since replicas may run where the driver's files are not.
+adds only what Ray is for: the metrics API (``ReplicaMetrics``: every replica's stats in Ray's
+Prometheus endpoint, tagged with its replica id and drafter version), the proxy on
+``http.host:http.port`` (127.0.0.1 by default; any other host is refused without an API key),
+Serve's autoscaler between ``min_replicas`` and ``max_replicas`` aiming at
+``target_ongoing_requests`` per replica, and replacement of a replica that died or whose engine
+loop thread stopped (``check_health``). With ``record.uri`` each replica records its finished
+requests under ``<record.uri>/<replica id>/`` (serving/recorder.py). Local paths in the config
+are made absolute for the replicas; on a cluster of several machines use an ``s3://`` registry,
+since replicas may run where the driver's files are not.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -35,17 +40,95 @@ import torch
 import ray
 from ray import serve
 
-from specray.actors.cluster import connect
+from specray.actors.cluster import connect, serve_replica_on_loopback
 from specray.capture.chat import resolve_chat_template
+from specray.capture.devices import resolve_device
 from specray.capture.target import load_target
 from specray.serving.engine import Engine, EngineLoop
-from specray.serving.http_guard import HttpLimits, is_loopback
+from specray.serving.http_guard import HttpLimits, is_loopback, normalize_api_key
 from specray.serving.openai_api import create_app
 from specray.serving.recorder import RecordSettings, TrafficRecorder
-from specray.serving.registry import DrafterRegistry, RegistryPoller
+from specray.serving.poller import RegistryPoller
+from specray.serving.registry import DrafterRegistry
 
 if TYPE_CHECKING:
     from specray.pipeline.config import ServeJobConfig
+
+log = logging.getLogger(__name__)
+METRICS_INTERVAL_S = 5.0  # how often a replica refreshes its Ray Serve metrics
+
+# engine stats -> Ray Serve metrics: (name, stats key, description)
+_GAUGES = (("tokens_per_second", "tokens_per_second", "generated tokens per second over the last minute"),
+           ("requests_running", "requests_running", "requests in KV slots"),
+           ("requests_waiting", "requests_waiting", "requests queued for a slot"),
+           ("tau", "tau", "mean tokens per round of the active drafter version (accepted drafts + 1)"))
+_COUNTERS = (("tokens_generated", "tokens_generated", "tokens generated"),
+             ("requests_served", "requests_served", "requests finished"),
+             ("requests_aborted", "requests_aborted", "requests aborted"),
+             ("requests_failed", "requests_failed", "requests failed"))
+
+
+class ReplicaMetrics:
+    """A replica's engine stats as Ray Serve metrics (``ray.serve.metrics``), so Ray's Prometheus
+    endpoint holds every replica's: Serve tags each with ``deployment``, ``replica`` and
+    ``application``; specray adds ``model`` and ``version`` (the drafter version, ``ar`` without
+    one). Names (Prometheus adds Ray's ``ray_`` prefix): ``specray_tokens_per_second``,
+    ``specray_requests_running``, ``specray_requests_waiting``, ``specray_tau`` (the active
+    version's), ``specray_version_tau`` (every version this replica served), and the counters
+    ``specray_tokens_generated``, ``specray_requests_served`` / ``_aborted`` / ``_failed``
+    (counted under the version active when they were counted). ``update()`` reads the engine
+    once; ``start()`` calls it every ``interval_s`` on a thread."""
+
+    def __init__(self, engine, model: str, *, interval_s: float = METRICS_INTERVAL_S, metrics=None):
+        if metrics is None:
+            from ray.serve import metrics
+        self.engine, self.model, self.interval_s = engine, model, interval_s
+        tags = ("model", "version")
+        self.gauges = {name: metrics.Gauge(f"specray_{name}", description=text, tag_keys=tags)
+                       for name, _, text in _GAUGES}
+        self.gauges["version_tau"] = metrics.Gauge("specray_version_tau", tag_keys=tags,
+                                                   description="mean tokens per round of each drafter version served")
+        self.counters = {name: metrics.Counter(f"specray_{name}", description=text, tag_keys=tags)
+                         for name, _, text in _COUNTERS}
+        self._counted = {name: 0 for name, _, _ in _COUNTERS}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def update(self) -> None:
+        stats = self.engine.stats()
+        tags = {"model": self.model, "version": _version_tag(stats["active_version"])}
+        for name, key, _ in _GAUGES:
+            if stats[key] is not None:
+                self.gauges[name].set(stats[key], tags=tags)
+        for entry in stats["versions"]:
+            if entry["tau"] is not None:
+                self.gauges["version_tau"].set(entry["tau"], tags={"model": self.model,
+                                                                   "version": _version_tag(entry["version"])})
+        for name, key, _ in _COUNTERS:
+            if stats[key] > self._counted[name]:
+                self.counters[name].inc(stats[key] - self._counted[name], tags=tags)
+                self._counted[name] = stats[key]
+
+    def start(self) -> ReplicaMetrics:
+        self._thread = threading.Thread(target=self._run, daemon=True, name="specray-serve-metrics")
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.update()
+            except Exception as e:  # noqa: BLE001 - metrics must never take a replica down; retried next interval
+                log.warning("updating the Ray Serve metrics failed: %s", e)
+
+
+def _version_tag(version: int | None) -> str:
+    return "ar" if version is None else str(version)
 
 
 @dataclass(frozen=True)
@@ -109,23 +192,27 @@ class SpecrayReplica:
     """One serving replica: target + engine loop + registry poller; its ASGI app is built per replica."""
 
     def __init__(self, spec: ReplicaSpec):
+        serve_replica_on_loopback()
         if spec.num_threads:
             torch.set_num_threads(spec.num_threads)
         self.spec = spec
         self.replica = serve.get_replica_context().replica_id.unique_id
-        target = load_target(spec.target, dtype=spec.dtype, device=spec.device, chat_template=spec.chat_template,
+        # auto = what Ray granted this replica (a replica without GPUs may still see its node's)
+        device = resolve_device(spec.device, field="target.device", gpus=len(ray.get_gpu_ids()))
+        target = load_target(spec.target, dtype=spec.dtype, device=device, chat_template=spec.chat_template,
                              chat_template_kwargs=spec.chat_template_kwargs)
         self.engine = Engine(target, spec.drafter_dir, max_batch=spec.max_batch, max_len=spec.max_len,
                              num_speculative_tokens=spec.num_speculative_tokens,
                              max_speculative_batch=spec.max_speculative_batch, speculation=spec.speculation,
                              tree=spec.tree, cost_table=spec.cost_table)
         self.loop = EngineLoop(self.engine).start()
+        self.metrics = ReplicaMetrics(self.engine, spec.model_name).start()
         self.recorder = TrafficRecorder(spec.record, self.replica).start() if spec.record.enabled else None
         self.poller = None
         if spec.registry_uri:
             registry = DrafterRegistry(spec.registry_uri, endpoint_url=spec.registry_endpoint_url)
             self.poller = RegistryPoller(registry, self.engine, cache_dir=spec.cache_dir,
-                                         interval_s=spec.poll_interval_s).start()
+                                         interval_s=spec.poll_interval_s, replica_id=self.replica).start()
 
     def __serve_build_asgi_app__(self):
         return create_app(self.engine, model_name=self.spec.model_name, api_key=self.spec.api_key,
@@ -133,8 +220,12 @@ class SpecrayReplica:
                           recorder=self.recorder)
 
     def info(self) -> dict:
-        """Shown by /metrics (behind the key): why hot-loading last failed."""
-        return {"registry_error": self.poller.last_error if self.poller else None}
+        """Shown by /metrics (behind the key): why hot-loading last failed, the versions this replica
+        does not serve because they are rejected in the registry (by it or by another replica), the pin."""
+        if self.poller is None:
+            return {"registry_error": None, "registry_rejected": {}, "registry_pinned": None}
+        return {"registry_error": self.poller.last_error, "registry_rejected": dict(self.poller.rejected),
+                "registry_pinned": self.poller.pinned}
 
     def check_health(self) -> None:
         if not self.loop.alive:
@@ -143,6 +234,7 @@ class SpecrayReplica:
     def __del__(self):
         if self.poller is not None:
             self.poller.stop(timeout=5)
+        self.metrics.stop(timeout=5)
         self.loop.stop(timeout=5)
         if self.recorder is not None:  # writes what is queued and buffered
             self.recorder.close(timeout=10)
@@ -194,7 +286,9 @@ def _wait_ready(url: str, timeout_s: float) -> None:
 def application(cfg: ServeJobConfig, api_key: str | None):
     """The bound Serve application (replicas + autoscaling) that ``serve.run`` or a Serve config deploys.
     Without ``api_key`` its replicas answer loopback clients only, wherever Serve's proxy binds; every
-    request is bounded by ``cfg.http.limits``."""
+    request is bounded by ``cfg.http.limits``. The key is read by ``normalize_api_key`` (surrounding
+    whitespace stripped with a warning, an empty key refused)."""
+    api_key = normalize_api_key(api_key, "the API key")
     a = cfg.autoscaling
     return SpecrayReplica.options(
         name="SpecrayReplica",
@@ -208,7 +302,8 @@ def application(cfg: ServeJobConfig, api_key: str | None):
 
 def start_serving(cfg: ServeJobConfig, *, timeout_s: float = 600.0) -> ServeHandle:
     """Deploy the replicas described by ``cfg`` and return once ``/health`` answers over HTTP."""
-    api_key = cfg.http.api_key or os.environ.get("SPECRAY_API_KEY") or None
+    source = "http.api_key" if cfg.http.api_key else "$SPECRAY_API_KEY"
+    api_key = normalize_api_key(cfg.http.api_key or os.environ.get("SPECRAY_API_KEY") or None, source)
     if not is_loopback(cfg.http.host) and not api_key:
         raise ValueError(
             f"http.host={cfg.http.host!r} makes the server reachable from other machines; set http.api_key "

@@ -4,7 +4,9 @@
     export_checkpoint(result.checkpoint, "runs/x/export")
 
 ``spec`` is a ``trainer/assembly.py::TrainSpec`` (``TrainJobConfig.train_spec()``). Each Ray
-Train worker (``TorchTrainer``, gloo, 1 CPU) builds its rank with ``build_rank`` and trains
+Train worker (``TorchTrainer``: ``cpus_per_worker`` CPUs and ``gpus_per_worker`` GPUs; with GPUs,
+``use_gpu`` and NCCL, the rank on ``ray.train.torch.get_device()``; without, gloo on the CPU —
+``gang_scaling``) builds its rank with ``build_rank`` on that device and trains
 through ``trainer/loop.py::TrainRun`` — the same drafter, strategy, step, metrics records and
 checkpoint save/resume as ``specray train``; this module adds only the ledger and Ray's
 protocol — and runs one of two sources.
@@ -22,9 +24,12 @@ Every ``spec.checkpoint_every`` steps and at the end of the stream rank 0 writes
 rank calls ``ray.train.report``, which persists it as ``<storage>/<name>/checkpoint-aAAA-sSSSSSSSS``.
 Only once that returns does rank 0 append ``checkpointed``, delete the features of the windows
 trained since the previous checkpoint, append ``deleted`` and ``release`` their capacity.
-Training stops at the end of the stream (``broker.close()``) or at ``optim.total_steps``,
-whichever comes first (the LR schedule spans ``total_steps``: set it to the expected number of
-windows); refs still queued then stay in the broker for a later run.
+Training stops at the end of the stream (``broker.close()``) or at the attempt's step target,
+whichever comes first; refs still queued then stay in the broker for a later run. The step
+target (which the LR schedule spans) is ``optim.total_steps``, or, with ``stream_samples=N``
+(the samples of the stream's pass, as the online pipeline passes it), counted from samples at
+every attempt start: the resumed step plus ``ceil((N − samples in the resumed history) / Q)``
+for this attempt's ``Q``, so a resume with another world size trains exactly what is left.
 
 **Recovery.** Every worker-group start (first start, Ray Train's restart after a failure, or
 a new run with the same storage and name) is a new *attempt*. The resume point is the newest
@@ -32,7 +37,9 @@ of ``ray.train.get_checkpoint()`` and the ledger's ``checkpointed`` txns of this
 registers a reported checkpoint asynchronously, so a group that dies right after ``report``
 can leave Ray pointing at the previous one while the ledger already names the newer one. A
 run with neither starts from ``resume_from``, else from the ledger's last checkpoint (the
-stream's model), else from scratch. Before anything is written, every rank checks that the
+stream's model), else from scratch. ``resume_from`` must be this ledger's checkpoint, or
+another ledger's that starts this stream (the attempt records it as its ``origin``; refused
+once this ledger holds checkpoints of its own: ``actors/gang_recovery.py``). Before anything is written, every rank checks that the
 chosen directory holds what its name claims: the ledger position saved in it (ledger uri,
 attempt, step) and its step must be the resume point's, or the gang stops with
 ``CheckpointMismatchError`` (``actors/gang_recovery.py``). Rank 0 then appends ``attempt``,
@@ -71,7 +78,8 @@ serving engine before each checkpoint (``serving/live_eval.py``, the checkpoint 
 ``trainer/loop.py``) and adds ``tau_live`` and ``live_accept_by_pos`` to that step's record;
 the other ranks wait in the checkpoint's collectives. With ``on_record=`` rank 0 pushes every
 record to a ``ProgressBoard`` actor as it is made, and a driver thread hands it to ``on_record``
-(``actors/progress.py``).
+(``actors/progress.py``). With ``spec.tracking`` rank 0 also logs every record to TensorBoard,
+W&B or MLflow (``trainer/tracking.py``); each attempt opens its own tracker run.
 
 Storage: a local directory or ``s3://`` (endpoint from ``$SPECRAY_S3_ENDPOINT``, like the
 feature store); the ledger defaults to ``<storage>/<name>/ledger``.
@@ -85,7 +93,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import shutil
 import tempfile
 import threading
@@ -93,33 +100,34 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
-from urllib.parse import urlparse
 
-import pyarrow.fs
 import ray
 import ray.train
 import torch
 import torch.distributed as dist
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
+from ray.train.torch import TorchConfig, TorchTrainer
 
 from specray.actors.broker import StreamFailedError, Window
 from specray.actors.gang_faults import FaultPlan, MidWindowCrash
 from specray.actors.gang_recovery import (AttemptPlanner, CheckpointMismatchError, FeaturesLostError, Resume,
-                                          check_position, checkpoint_name)
+                                          check_position, checkpoint_name, ray_path, storage_filesystem)
 from specray.actors.progress import ProgressFeed
 from specray.capture.contract import CaptureContract
 from specray.capture.store import FeatureChecksumError, FeatureNotFoundError, SampleRef, open_store, read_manifest
+from specray.capture.devices import check_ray_devices, resolve_device
 from specray.trainer.assembly import (TrainSpec, build_rank, check_capture_fits, check_manifest_fits,
-                                      count_draft_vocab, feature_loader)
-from specray.trainer.ledger import Ledger
+                                      count_draft_vocab, feature_loader, rank_tracker, whole_target_hook)
+from specray.trainer.ledger import Ledger, LedgerError
 from specray.trainer.loader import TrainBatch, collate
 from specray.serving.live_eval import checkpoint_hook
 from specray.trainer.loop import TrainRun
 
 FIT_GRACE_S = 90.0  # after timeout_s: time for the workers to notice the deadline and the group to stop
 RECAPTURE_TIMEOUT_S = 600.0  # a rank waits this long for lost features to be captured again
-TERMINAL_ERRORS = (StreamFailedError, FeaturesLostError, CheckpointMismatchError)  # a restart cannot help
+# A restart cannot help: a failed stream, lost features, a checkpoint that is not what it claims, a
+# ledger that refuses what the gang would write.
+TERMINAL_ERRORS = (StreamFailedError, FeaturesLostError, CheckpointMismatchError, LedgerError)
 
 
 class GangFailedError(RuntimeError):
@@ -188,19 +196,20 @@ class _GangRank:
             contract = manifest.contract
             self.store = open_store(manifest.store_uri, endpoint_url=train.endpoint_url)
             provenance = {"manifest": train.manifest, "samples": len(manifest.refs)}
+        self.device = worker_device(train)
         parts = build_rank(train, contract, rank=rank, world_size=world_size, provenance=provenance,
-                           draft_vocab=spec.get("draft_vocab"))
+                           draft_vocab=spec.get("draft_vocab"), device=self.device)
         if self.online:  # FeatureLoader checks a manifest's contract itself
             parts.expected.check_compatible(contract, what="the stream's features")
         self.core = parts.core
         if self.fault is not None and self.fault.point == "mid_window":
             self.core.strategy = MidWindowCrash(self.core.strategy, self.fault, rank, self.accumulation)
         self.run_state = TrainRun(self.core, log_every=train.log_every, extra=parts.extra)
-        hook = checkpoint_hook(train.live_eval)
-        self.on_checkpoint = hook(parts.target) if hook is not None and rank == 0 else None
+        live = checkpoint_hook(train.live_eval)
+        self.on_checkpoint = whole_target_hook(train, live, self.device) if rank == 0 else None
         self.progress = spec.get("progress") if rank == 0 else None
         self.loader = None if self.online else feature_loader(train, manifest, self.store, parts.expected,
-                                                               rank=rank, world_size=world_size)
+                                                               rank=rank, world_size=world_size, device=self.device)
         self.ledger = Ledger(spec["ledger_uri"]) if rank == 0 else None
         self.planner = None if rank != 0 else AttemptPlanner(
             self.ledger, run_uri=spec["run_uri"], resume_from=spec["resume_from"], broker=spec.get("broker"),
@@ -209,6 +218,7 @@ class _GangRank:
         self.trained_windows: list[Window] = []  # rank 0: trained since the last checkpoint, features not yet deleted
         self.last_checkpoint: int | None = None
         self.location: str | None = None
+        self.run_state.tracker = rank_tracker(train, rank)
 
     @property
     def step(self) -> int:
@@ -281,13 +291,21 @@ class _GangRank:
         resume: Resume = self._decided(lambda: self.planner.choose(ray_checkpoint))
         if resume.location is not None:
             self._agreed(lambda: self._load(resume))
-        self.attempt = self._decided(lambda: self.planner.write(resume, world_size=self.world_size,
-                                                                quantum=self.quantum))
+        self.attempt, total_steps = self._decided(lambda: self._write_attempt(resume))
+        self.core.settings = dataclasses.replace(self.core.settings, total_steps=total_steps)  # the LR schedule's too
         self.run_state.record_fields = {"attempt": self.attempt}
+
+    def _write_attempt(self, resume: Resume) -> tuple[int, int]:
+        """Rank 0: record the attempt; (its id, the step it trains to)."""
+        attempt = self.planner.write(resume, world_size=self.world_size, quantum=self.quantum)
+        samples = self.spec["stream_samples"]
+        if samples is None:
+            return attempt, self.train.optim.total_steps
+        return attempt, self.planner.total_steps(resume, stream_samples=samples, quantum=self.quantum)
 
     def _load(self, resume: Resume) -> None:
         filesystem = storage_filesystem(resume.location)
-        checkpoint = ray.train.Checkpoint(_ray_path(resume.location, filesystem), filesystem=filesystem)
+        checkpoint = ray.train.Checkpoint(ray_path(resume.location, filesystem), filesystem=filesystem)
         with checkpoint.as_directory() as directory:
             check_position(directory, resume)
             loader_state = self.run_state.load(directory)
@@ -318,9 +336,10 @@ class _GangRank:
     def _close(self) -> None:
         if self.loader is not None:
             self.loader.close()
+        self.run_state.close()
 
     def _train_offline(self) -> None:
-        while self.step < self.train.optim.total_steps:
+        while self.step < self.core.settings.total_steps:
             self._remaining()
             start = time.perf_counter()
             batches = [self.loader.next_batch() for _ in range(self.accumulation)]
@@ -330,7 +349,7 @@ class _GangRank:
                 self._checkpoint()
 
     def _train_online(self) -> None:
-        while self.step < self.train.optim.total_steps:
+        while self.step < self.core.settings.total_steps:
             start = time.perf_counter()
             window, batches = self._agreed(self._next_window)
             if window is None:
@@ -359,9 +378,11 @@ class _GangRank:
     def _batch(self, slot: list[SampleRef], window: Window) -> TrainBatch:
         max_length = self.train.max_length
         if slot:
-            return collate(self._read(slot), [r.sample_id for r in slot], max_length=max_length)
-        filler = collate(self._read([window.refs[0]]), [], max_length=max_length)
-        return dataclasses.replace(filler, loss_mask=torch.zeros_like(filler.loss_mask), num_tokens=0)
+            batch = collate(self._read(slot), [r.sample_id for r in slot], max_length=max_length)
+        else:
+            filler = collate(self._read([window.refs[0]]), [], max_length=max_length)
+            batch = dataclasses.replace(filler, loss_mask=torch.zeros_like(filler.loss_mask), num_tokens=0)
+        return batch.pin_memory() if self.device.type == "cuda" else batch
 
     def _read(self, refs: list[SampleRef]) -> list[dict[str, torch.Tensor]]:
         """The features of ``refs``; lost or corrupt ones are captured again when the producer can (module docstring)."""
@@ -453,6 +474,25 @@ class _GangRank:
         ray.get(self.spec["broker"].release.remote([r.sample_id for r in refs]), timeout=120)
 
 
+def worker_device(train: TrainSpec) -> torch.device:
+    """This gang worker's device: ``train.device`` against the GPUs Ray granted it (``ray.get_gpu_ids()``:
+    a worker without a grant may still see its node's GPUs); on CUDA, the one Ray Train assigned it."""
+    device = resolve_device(train.device, field=train.device_field, gpus=len(ray.get_gpu_ids()),
+                            fix="set train.gpus_per_worker=1 (or more) so that Ray grants each worker a GPU, or "
+                                f"{train.device_field}=auto")
+    return ray.train.torch.get_device() if device.type == "cuda" else device
+
+
+def gang_scaling(num_workers: int, cpus_per_worker: float, gpus_per_worker: int) -> tuple[ScalingConfig, TorchConfig]:
+    """Ray Train's resources and process group for the gang: GPU workers (``use_gpu``) with NCCL,
+    or CPU workers with gloo."""
+    if gpus_per_worker < 0:
+        raise ValueError(f"train.gpus_per_worker must be >= 0, got {gpus_per_worker}")
+    resources = {"CPU": cpus_per_worker, **({"GPU": gpus_per_worker} if gpus_per_worker else {})}
+    scaling = ScalingConfig(num_workers=num_workers, use_gpu=gpus_per_worker > 0, resources_per_worker=resources)
+    return scaling, TorchConfig(backend="nccl" if gpus_per_worker else "gloo")
+
+
 def _gang_worker(spec: dict) -> dict | None:
     import specray.actors.object_store  # noqa: F401  (registers ray:// stores in this worker)
 
@@ -462,26 +502,6 @@ def _gang_worker(spec: dict) -> dict | None:
 
 
 # -- driver ----------------------------------------------------------------------------------
-
-
-def storage_filesystem(storage_path: str):
-    """Ray Train's filesystem for ``storage_path``: for s3:// the endpoint specray uses, else pyarrow's choice.
-
-    ``s3://`` takes its endpoint from ``$SPECRAY_S3_ENDPOINT`` (as the feature store and the
-    ledger do), credentials and region from the usual ``AWS_*`` variables; None lets pyarrow
-    resolve the URI (local paths, or S3 at AWS).
-    """
-    endpoint = os.environ.get("SPECRAY_S3_ENDPOINT")
-    if not storage_path.startswith("s3://") or not endpoint:
-        return None
-    url = urlparse(endpoint)
-    return pyarrow.fs.S3FileSystem(endpoint_override=url.netloc, scheme=url.scheme or "https",
-                                   region=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"))
-
-
-def _ray_path(uri: str, filesystem) -> str:
-    """A path for Ray Train: with an explicit filesystem, the URI without its scheme."""
-    return uri.split("://", 1)[1] if filesystem is not None and "://" in uri else uri
 
 
 def _absolute(path_or_uri: str) -> str:
@@ -531,19 +551,25 @@ def _fit(trainer: TorchTrainer, timeout_s: float | None):
 
 def run_trainer_gang(
     spec: TrainSpec, *, num_workers: int, storage_path: str, ledger_uri: str | None = None, broker=None,
-    resume_from: str | None = None, max_failures: int = 1, fault: FaultPlan | None = None,
-    timeout_s: float | None = None, cpus_per_worker: float = 1.0, on_record: Callable[[dict], None] | None = None,
+    resume_from: str | None = None, stream_samples: int | None = None, max_failures: int = 1,
+    fault: FaultPlan | None = None, timeout_s: float | None = None, cpus_per_worker: float = 1.0,
+    on_record: Callable[[dict], None] | None = None, gpus_per_worker: int = 0,
 ) -> GangResult:
     """Train ``spec`` with ``num_workers`` DP ranks; online from ``broker``, else offline from ``spec.manifest``.
 
     The Ray Train run is ``<storage_path>/<spec.name>``: rerunning with the same storage and
     name resumes it (from its newest checkpoint, with any ``num_workers``). ``ledger_uri``
     defaults to ``<storage_path>/<spec.name>/ledger``; an online stream's ledger must stay
-    the same across runs that continue one model. ``max_failures`` worker-group restarts are
+    the same across runs that continue one model. ``resume_from`` (a gang checkpoint directory)
+    starts a run with no checkpoint of its own: this ledger's checkpoint, or another ledger's
+    whose model starts this stream (module docstring, **Recovery**). ``stream_samples`` (online:
+    the samples of the stream's pass) sets each attempt's step target from the samples left
+    instead of ``optim.total_steps``. ``max_failures`` worker-group restarts are
     allowed before ``GangFailedError``; a terminal error (a failed stream, features that cannot
     come back, a checkpoint that is not what its name says) is raised as is, without a restart.
-    Each worker reserves ``cpus_per_worker`` logical CPUs, and Ray sizes its torch thread pool
-    to match. Features captured for another algorithm than ``spec.drafter``'s are refused before
+    Each worker reserves ``cpus_per_worker`` logical CPUs (Ray sizes its torch thread pool to
+    match) and ``gpus_per_worker`` GPUs (``gang_scaling``; the rank trains on ``spec.device``,
+    ``auto`` = its GPU when it has one). Features captured for another algorithm than ``spec.drafter``'s are refused before
     the gang starts. ``on_record`` is called in the driver with each metrics record rank 0 makes
     (a record comes again with its live fields once its checkpoint measured them).
     """
@@ -553,6 +579,11 @@ def run_trainer_gang(
     if online == (spec.manifest is not None):
         raise ValueError("give exactly one feature source: broker= for online training (with data.manifest null), "
                          f"or data.manifest for offline training; got broker={broker!r}, manifest={spec.manifest!r}")
+    check_ray_devices(spec.device, gpus_per_worker, device_field=spec.device_field, gpus_field="train.gpus_per_worker",
+                      who="trainer gang workers")
+    if stream_samples is not None and (not online or stream_samples < 0):
+        raise ValueError(f"stream_samples counts an online stream's samples: give it with broker= and >= 0, got "
+                         f"{stream_samples} ({'online' if online else 'offline: use optim.total_steps'})")
     quantum = num_workers * spec.micro_batch_size * spec.optim.accumulation_steps
     if fault is not None and fault.point == "mid_window" and fault.after >= spec.optim.accumulation_steps:
         raise ValueError(f"a mid_window fault crashes before micro-batch `after` of a step; use 0 <= after < "
@@ -563,7 +594,7 @@ def run_trainer_gang(
     run_uri = f"{storage_path.rstrip('/')}/{spec.name}"
     ledger_uri = _absolute(ledger_uri) if ledger_uri else f"{run_uri}/ledger"
     job = {"train": spec, "online": online, "run_uri": run_uri, "ledger_uri": ledger_uri, "fault": fault,
-           "resume_from": _absolute(resume_from) if resume_from else None,
+           "resume_from": _absolute(resume_from) if resume_from else None, "stream_samples": stream_samples,
            "deadline": time.time() + timeout_s if timeout_s is not None else None}
     if online:
         stream = _check_stream(broker, spec, quantum)
@@ -571,11 +602,13 @@ def run_trainer_gang(
                    endpoint_url=stream["endpoint_url"])
     else:
         check_manifest_fits(spec, read_manifest(spec.manifest, endpoint_url=spec.endpoint_url).contract)
+    if spec.tracking is not None:
+        spec.tracking.check_installed()  # here, not after Ray Train's restarts of a rank that cannot import it
     job["draft_vocab"] = count_draft_vocab(spec)  # counted once here, not by every rank (online: draft_vocab_from)
     with ProgressFeed(on_record) if on_record is not None else contextlib.nullcontext() as feed:
         job["progress"] = feed.board if feed is not None else None
         result = _fit_gang(job, spec, num_workers=num_workers, storage_path=storage_path, max_failures=max_failures,
-                           timeout_s=timeout_s, cpus_per_worker=cpus_per_worker)
+                           timeout_s=timeout_s, cpus_per_worker=cpus_per_worker, gpus_per_worker=gpus_per_worker)
     out = result.return_value
     if "ended" in out:  # a terminal error every rank agreed on (module docstring)
         raise {cls.__name__: cls for cls in TERMINAL_ERRORS}[out["ended"]](out["message"])
@@ -584,14 +617,14 @@ def run_trainer_gang(
 
 
 def _fit_gang(job: dict, spec: TrainSpec, *, num_workers: int, storage_path: str, max_failures: int,
-              timeout_s: float | None, cpus_per_worker: float):
+              timeout_s: float | None, cpus_per_worker: float, gpus_per_worker: int):
     """Ray Train's fit of the gang's workers over ``job``; its failures as ``GangFailedError`` / ``TimeoutError``."""
     run_uri, ledger_uri = job["run_uri"], job["ledger_uri"]
     filesystem = storage_filesystem(storage_path)
+    scaling, torch_config = gang_scaling(num_workers, cpus_per_worker, gpus_per_worker)
     trainer = TorchTrainer(
-        _gang_worker, train_loop_config=job,
-        scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=False, resources_per_worker={"CPU": cpus_per_worker}),
-        run_config=RunConfig(name=spec.name, storage_path=_ray_path(storage_path, filesystem),
+        _gang_worker, train_loop_config=job, scaling_config=scaling, torch_config=torch_config,
+        run_config=RunConfig(name=spec.name, storage_path=ray_path(storage_path, filesystem),
                              storage_filesystem=filesystem,
                              failure_config=FailureConfig(max_failures=max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=spec.keep_last)),

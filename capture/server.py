@@ -128,7 +128,9 @@ class CaptureServer:
         outputs = decoder_layer_outputs(self.target.model, input_ids.to(device), attention_mask.to(device),
                                         self.contract.layer_ids, last_hidden=self.contract.last_hidden)
         dtype = self.contract.torch_dtype
-        hidden = torch.cat([outputs[i] for i in self.contract.layer_ids], dim=-1).to(dtype)  # [B, T, L*D]
+        # a target placed across GPUs leaves each layer's output on its own GPU: gather them on the first
+        first = outputs[self.contract.layer_ids[0]].device
+        hidden = torch.cat([outputs[i].to(first, dtype) for i in self.contract.layer_ids], dim=-1)  # [B, T, L*D]
         last = outputs["norm"].to(dtype) if self.contract.last_hidden else None  # [B, T, D]
         features = []
         for row, sample in enumerate(samples):
@@ -177,3 +179,25 @@ class CaptureServer:
             pending = futures
         if pending is not None:
             yield [f.result() for f in pending]
+
+
+def forward_memory(config, contract: CaptureContract, dtype_bytes: int, *, max_batch_tokens: int,
+                   max_length: int) -> float:
+    """Bytes a capture forward of ``max_batch_tokens`` padded tokens (sequences of ``max_length``) needs
+    above the target's weights, in the target's dtype (``dtype_bytes`` per element), as ``extract``
+    runs it: the captured layers' outputs kept by the hooks, one decoder layer's working set (its
+    attention or its MLP, whichever is larger; the norms compute in fp32), the padding mask
+    ``[B, 1, T, T]`` (boolean, and the float forms the attention makes of it), then the features
+    in the storage dtype with their serialised copies (``specray plan``, ``pipeline/jobs/plan.py``)."""
+    T, b = max_batch_tokens, dtype_bytes
+    D, I, H = config.hidden_size, config.intermediate_size, config.num_attention_heads
+    Hkv = config.num_key_value_heads
+    hd = getattr(config, "head_dim", None) or D // H
+    kept = (len(contract.layer_ids) + contract.last_hidden) * T * D * b
+    norm = T * D * (2 * 4 + b)  # fp32 upcast and product, the normed output
+    mask = T * max_length  # [B, 1, T, T] boolean, for the whole forward
+    attention = T * (D * b + (3 * H + 4 * Hkv) * hd * b) + 7 * mask  # q/k/v, RoPE, GQA copies, float forms of the mask
+    mlp = 3 * T * I * b
+    layer = T * D * b + norm + mask + max(attention, mlp)  # the residual stream, then the larger sublayer
+    features = T * sum(max(w, 1) * dt.itemsize for w, dt in contract.tensor_widths().values())
+    return kept + max(layer, 2 * features)

@@ -26,11 +26,23 @@ that template, so it covers both.
 Both are computed once per directory and cached under ``$SPECRAY_CACHE/fingerprints/``,
 keyed by the files' sizes and modification times.
 
+What a stage loads (``weights=``) is what it reads:
+
+- ``"all"``: the whole model (capture, serving): on ``device``, or placed across the GPUs this
+  process sees with ``device_map="auto"`` (accelerate; a target larger than one device);
+- ``"heads"``: the embedding, the final norm and the LM head only, read from the safetensors
+  shards by tensor name (``model.safetensors.index.json`` for sharded checkpoints; a tied LM head
+  is the embedding, read once): what a trainer rank reads. The decoder layers stay on the meta
+  device (no memory, no reads);
+- ``"none"``: tokenizer, config and fingerprints (``model`` is None): what a driver needs to
+  render, fingerprint and plan.
+
 Usage::
 
     target = load_target("embedded:smollm2-135m-instruct")
     target.model(...)             # frozen transformers LlamaForCausalLM, eval mode
     target.target_fingerprint     # 'sha256:…'
+    heads = load_target("debug", weights="heads", device="cuda")   # heads.model.lm_head, .model.model.norm
 """
 
 from __future__ import annotations
@@ -45,15 +57,21 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from typing import Literal
 
-from specray.drafters.target_spec import check_supported
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from specray.capture.chat import with_template_kwargs
+from specray.capture.devices import resolve_device, resolve_dtype
+from specray.drafters.target_spec import check_supported
 
-DEFAULT_TARGET = "embedded:smollm2-135m-instruct"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from specray.capture.defaults import DEFAULT_TARGET  # noqa: F401 (re-exported; the CLI reads it without torch)
+
+WEIGHTS = ("all", "heads", "none")
+SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 # ChatML, as SmolLM2-Instruct renders it (the debug target uses the same template).
 CHATML_TEMPLATE = (
@@ -86,27 +104,33 @@ def cache_dir() -> Path:
 
 @dataclass
 class Target:
-    """A loaded, frozen target and its identity."""
+    """A loaded, frozen target and its identity (``weights``: what of it is loaded, module docstring)."""
 
     name: str
     path: Path
-    model: PreTrainedModel  # eval mode, requires_grad False
+    model: PreTrainedModel | None  # eval mode, requires_grad False; None with weights="none"
     tokenizer: object  # transformers fast tokenizer with a chat template
     target_fingerprint: str
     template_fingerprint: str
     chat_template: str | None = None  # the template load_target set (None: the tokenizer's own, unchanged)
+    config: PretrainedConfig | None = None  # the model's config (None: model.config)
+    weights: Literal["all", "heads", "none"] = "all"
+
+    def __post_init__(self) -> None:
+        if self.config is None:
+            self.config = self.model.config
 
     @property
     def num_layers(self) -> int:
-        return self.model.config.num_hidden_layers
+        return self.config.num_hidden_layers
 
     @property
     def hidden_size(self) -> int:
-        return self.model.config.hidden_size
+        return self.config.hidden_size
 
     @property
     def vocab_size(self) -> int:
-        return self.model.config.vocab_size
+        return self.config.vocab_size
 
     @property
     def pad_token_id(self) -> int:
@@ -114,14 +138,21 @@ class Target:
         return self.tokenizer.eos_token_id if pad is None else pad
 
 
-def load_target(name: str = DEFAULT_TARGET, *, dtype: str = "float32", device: str = "cpu",
-                chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> Target:
-    """Resolve ``name`` to a directory (materialising embedded/debug targets) and load it.
+def load_target(name: str = DEFAULT_TARGET, *, dtype: str = "float32", device: str | torch.device = "cpu",
+                weights: str = "all", device_map: str | None = None, chat_template: str | None = None,
+                chat_template_kwargs: dict | None = None) -> Target:
+    """Resolve ``name`` to a directory (materialising embedded/debug targets) and load ``weights`` of it.
 
-    ``chat_template``: template text to render with instead of the tokenizer's; ``chat_template_kwargs``:
-    values written into the template (module docstring)."""
-    if dtype not in DTYPES:
-        raise ValueError(f"target.dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
+    ``dtype`` and ``device`` take ``auto`` (``capture/devices.py``); ``device_map="auto"`` places the
+    whole model across the GPUs this process sees instead of on ``device``. ``chat_template``:
+    template text to render with instead of the tokenizer's; ``chat_template_kwargs``: values
+    written into the template (module docstring)."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights={weights!r}: use one of {list(WEIGHTS)}")
+    if device_map not in (None, "auto"):
+        raise ValueError(f"device_map={device_map!r}: use None (one device) or 'auto' (across this process's GPUs)")
+    device = resolve_device(device, field="target.device")
+    torch_dtype = resolve_dtype(dtype, device if device_map is None else torch.device("cuda"))
     path = resolve_target_dir(name)
     check_supported(AutoConfig.from_pretrained(path))  # refuse what specray would compute wrongly, before the weights load
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -129,9 +160,19 @@ def load_target(name: str = DEFAULT_TARGET, *, dtype: str = "float32", device: s
     template = apply_chat_format(tokenizer, chat_template, chat_template_kwargs, name)
     if template is not None:
         template_fp = template_fingerprint(tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device)
-    model.eval().requires_grad_(False)
-    return Target(name, path, model, tokenizer, target_fp, template_fp, template)
+    config = AutoConfig.from_pretrained(path)
+    if weights == "none":
+        model = None
+    elif weights == "heads":
+        model = load_heads(path, config, dtype=torch_dtype, device=device)
+    elif device_map is not None:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, device_map=device_map)
+        check_placement(model.hf_device_map, name)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device)
+    if model is not None:
+        model.eval().requires_grad_(False)
+    return Target(name, path, model, tokenizer, target_fp, template_fp, template, config=config, weights=weights)
 
 
 def apply_chat_format(tokenizer, chat_template: str | None, chat_template_kwargs: dict | None,
@@ -147,6 +188,87 @@ def apply_chat_format(tokenizer, chat_template: str | None, chat_template_kwargs
         return None
     tokenizer.chat_template = template
     return template
+
+
+def target_placement(device: torch.device, gpus: int) -> dict:
+    """``load_target``'s placement arguments for a process on ``device`` granted ``gpus`` GPUs: one
+    device, or with more than one GPU (and a CUDA device) ``device_map="auto"`` across the GPUs it sees.
+
+    Across GPUs the decoder layers are split in consecutive runs, one run per GPU (accelerate's
+    balanced map): the whole target fits in their sum, but a forward runs the GPUs one after
+    another (no tensor parallelism), so capture throughput is about one GPU's."""
+    device = torch.device(device)
+    if device.type == "cuda" and gpus > 1:
+        return {"device_map": "auto"}
+    return {"device": device}
+
+
+def check_placement(device_map: dict, name: str) -> None:
+    """Refuse a ``device_map="auto"`` placement that left modules off the GPUs (CPU or disk offload:
+    slow, and not what a GPU capture actor was given)."""
+    off = sorted({str(where) for where in device_map.values() if not isinstance(where, int)
+                  and not str(where).startswith("cuda")})
+    if off:
+        modules = [module for module, where in device_map.items() if str(where) in off][:3]
+        raise ValueError(f"target {name!r} does not fit on the {torch.cuda.device_count()} GPU(s) of this process: "
+                         f"accelerate placed {modules}… on {off}; raise capture.num_gpus_per_actor or use a smaller "
+                         "target.dtype")
+
+
+def head_tensor_names(model: PreTrainedModel) -> dict[str, str]:
+    """``{checkpoint tensor name: role}`` of what a trainer rank reads: the input embedding, the final
+    norm and the LM head (a tied LM head is the embedding and is not read twice), from a model
+    built on the meta device (the names follow its family's module tree)."""
+    roles = {"embed_tokens": model.get_input_embeddings(), "norm": model.model.norm,
+             "lm_head": model.get_output_embeddings()}
+    owners: dict[int, str] = {}
+    for role, module in roles.items():
+        for param in module.parameters():
+            owners.setdefault(id(param), role)
+    return {name: owners[id(param)] for name, param in model.named_parameters() if id(param) in owners}
+
+
+def _shard_of(path: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (the index of a sharded checkpoint, else the headers)."""
+    index = path / SAFETENSORS_INDEX
+    if index.is_file():
+        return {name: path / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path} has no safetensors weights; a trainer rank reads the embedding, norm and LM head "
+                         "from safetensors by name: save the target with save_pretrained(safe_serialization=True)")
+    where = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:  # the header only
+            where.update({name: file for name in f.keys()})
+    return where
+
+
+def load_heads(path: Path, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
+    """The model of ``config`` with only the embedding, final norm and LM head materialised (read
+    by name from ``path``'s safetensors, cast to ``dtype`` on ``device``); the decoder layers stay
+    on the meta device. A tied LM head shares the embedding's weight, as transformers ties it."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    names = head_tensor_names(model)
+    where = _shard_of(path)
+    missing = sorted(set(names) - set(where))
+    if missing:
+        raise ValueError(f"{path}'s safetensors hold no {missing} (the {sorted(set(names.values()))} tensors of a "
+                         f"{type(model).__name__}); its checkpoint names differ from the model's: re-save it with "
+                         "save_pretrained")
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        by_file.setdefault(where[name], []).append(name)
+    for file, file_names in sorted(by_file.items()):
+        with safe_open(str(file), framework="pt") as f:
+            for name in file_names:
+                module_name, _, param_name = name.rpartition(".")
+                tensor = f.get_tensor(name).to(device=device, dtype=dtype)
+                setattr(model.get_submodule(module_name), param_name, nn.Parameter(tensor, requires_grad=False))
+    if model.get_output_embeddings().weight.is_meta:  # tied: the head is the embedding
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    return model
 
 
 def resolve_target_dir(name: str) -> Path:

@@ -317,7 +317,7 @@ class DrafterSectionBase(BaseModel):
     Each algorithm subclasses it with ``algorithm: Literal["<name>"]`` (the union's
     discriminator), its architecture fields, and ``drafter_config(target, layer_ids)``: the
     model config for this section, sizes left unset taken from the target (duck-typed:
-    ``hidden_size``, ``vocab_size``, ``model.config``, ``tokenizer``), reading the captured
+    ``hidden_size``, ``vocab_size``, ``config``, ``tokenizer``), reading the captured
     ``layer_ids``.
     """
 
@@ -325,7 +325,9 @@ class DrafterSectionBase(BaseModel):
 
     algorithm: str = Field(description="drafter to train; its features must be captured under its capture contract")
     init_from: str | None = Field(None, description="an export directory to start from (fine-tuning, e.g. on "
-                                                    "self-distilled data); its architecture must equal this section's")
+                                                    "self-distilled data), or a peer drafter's directory "
+                                                    "(speculators, SGLang / SpecForge, z-lab), imported first; its "
+                                                    "architecture must equal this section's")
     draft_vocab_size: int | None = Field(None, gt=0, description="draft over the V_d most frequent supervised tokens "
                                                                  "of the training manifest or draft_vocab_from "
                                                                  "(EAGLE-3's d2t; None = the target's whole "
@@ -349,12 +351,44 @@ class DrafterSectionBase(BaseModel):
         return self
 
 
+def target_config(target: Any):
+    """The target's transformers config: ``Target.config`` (set with any weights loaded, or none:
+    capture/target.py), or a duck-typed target's ``model.config``."""
+    config = getattr(target, "config", None)
+    return config if config is not None else target.model.config
+
+
+# -- bounds of a drafter config (checked before an export is built, drafters/format.py) ----------
+
+MAX_DRAFT_LAYERS = 64  # decoder layers of a drafter, and captured target layers it reads
+MAX_TARGET_LAYER_ID = 1023  # the highest target decoder-layer id a config may name
+MAX_WIDTH_MULTIPLE = 16  # intermediate_size <= 16 D (Llama-family MLPs are 2.7-5.4 D)
+MAX_HEADS_MULTIPLE = 8  # num_heads, num_kv_heads, head_dim, num_heads * head_dim <= 8 D
+MAX_RANK_MULTIPLE = 8  # low-rank heads and codebooks: rank <= 8 D
+
+
+def size_limits(hidden_size: int, vocab_size: int) -> dict[str, tuple[float, float]]:
+    """Inclusive bounds of the fields every drafter config has, for a target of width ``D =
+    hidden_size`` and vocabulary ``V = vocab_size``: the embedding and LM head are the target's,
+    so ``hidden_size`` and ``vocab_size`` equal them; the sizes are positive and bounded by a
+    multiple of D (the constants above). A config's ``limits`` adds its own fields; element
+    bounds of ``target_layer_ids`` apply to each id (at most ``MAX_DRAFT_LAYERS`` of them)."""
+    D, V = hidden_size, vocab_size
+    return {
+        "hidden_size": (D, D), "vocab_size": (V, V), "num_layers": (1, MAX_DRAFT_LAYERS),
+        "num_heads": (1, MAX_HEADS_MULTIPLE * D), "num_kv_heads": (1, MAX_HEADS_MULTIPLE * D),
+        "head_dim": (1, MAX_HEADS_MULTIPLE * D), "intermediate_size": (1, MAX_WIDTH_MULTIPLE * D),
+        "draft_vocab_size": (1, V), "target_layer_ids": (0, MAX_TARGET_LAYER_ID),
+        "rms_norm_eps": (1e-12, 0.1), "rope_theta": (1.0, 1e12), "max_position_embeddings": (1, 1 << 24),
+    }
+
+
 def target_sizes(target: Any) -> dict:
     """The target's shapes a drafter config defaults to: heads, KV heads, head dim, MLP width, norm
     eps, and its RoPE (``rope_theta``, ``rope_scaling``: transformers' rope parameters besides the
     theta, None for the default type, and ``max_position_embeddings``), from ``check_supported``:
     a drafter rotates by the target's rule (``drafters/rope.py``)."""
-    spec = check_supported(target.model.config)
+    spec = check_supported(target_config(target))
     return {
         "num_heads": spec.num_heads,
         "num_kv_heads": spec.num_kv_heads,
@@ -368,7 +402,7 @@ def target_sizes(target: Any) -> dict:
 def target_rope(target: Any) -> dict:
     """A drafter config's RoPE fields for ``target``: ``rope_theta``, ``rope_scaling`` and
     ``max_position_embeddings`` (``target_sizes``)."""
-    rope = check_supported(target.model.config).rope
+    rope = check_supported(target_config(target)).rope
     return {"rope_theta": rope.theta, "rope_scaling": rope.scaling,
             "max_position_embeddings": rope.max_position_embeddings}
 
@@ -409,7 +443,8 @@ class DrafterSpec:
       subclass with ``algorithm: Literal["<name>"]`` and ``drafter_config(target, layer_ids)``);
     - ``config``: its model config dataclass (``to_dict()`` / ``from_dict()``, the export's
       ``architecture``; fields ``hidden_size``, ``vocab_size``, ``target_layer_ids``,
-      ``draft_vocab_size``);
+      ``draft_vocab_size``; ``limits(hidden_size, vocab_size)``: the inclusive bounds of every
+      numeric field, ``size_limits`` and the algorithm's own, checked before an export is built);
     - ``model``: its module, ``model(config, embed_tokens=, lm_head=)`` with a class attribute
       ``algorithm``, the target's embedding and LM head shared (not in its state dict), and
       ``DraftVocabHead``'s methods;

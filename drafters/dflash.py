@@ -74,7 +74,10 @@ from pydantic import Field, field_validator
 from torch import nn
 
 from specray.drafters.common import (DrafterSectionBase, DraftVocabHead, Linear, RMSNorm, RotaryFrequencies,
-                                     check_drafter_rope, target_rope, target_sizes)
+                                     check_drafter_rope, size_limits, target_rope, target_sizes)
+
+MAX_BLOCK_SIZE = 256  # B: block rows of one draft forward (DFlash uses 8-16)
+MAX_SLIDING_WINDOW = 1 << 20  # context positions a sliding drafter sees
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,13 @@ class DFlashConfig:
                     "token of the tokenizer), or set drafter.mask_token_id=0 if id 0 is one the data never holds")
             data = {**data, "mask_token_origin": "unrecorded"}
         return cls(**data)
+
+    @classmethod
+    def limits(cls, hidden_size: int, vocab_size: int) -> dict[str, tuple[float, float]]:
+        """Inclusive bounds of the numeric fields for a target of width D and vocabulary V (drafters/common.py)."""
+        return {**size_limits(hidden_size, vocab_size), "mask_token_id": (0, vocab_size - 1),
+                "block_size": (2, MAX_BLOCK_SIZE), "sliding_window": (1, MAX_SLIDING_WINDOW),
+                "block_key_bias": (0.0, 1e4)}
 
 
 # How a DFlash-family MASK token was chosen: set in the manifest (drafter.mask_token_id), built in code

@@ -44,8 +44,8 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from specray.drafters.common import Linear
-from specray.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashLayer, DFlashSection
+from specray.drafters.common import MAX_RANK_MULTIPLE, Linear
+from specray.drafters.dflash import MAX_BLOCK_SIZE, DFlashConfig, DFlashDrafter, DFlashLayer, DFlashSection
 from specray.drafters.dflash import debug_config as dflash_debug_config
 
 
@@ -66,6 +66,14 @@ class DFlash2Config(DFlashConfig):
         if self.selector_top_k < 1 or self.selector_rank < 1:
             raise ValueError(f"selector_top_k and selector_rank must be >= 1, got {self.selector_top_k}, "
                              f"{self.selector_rank}")
+
+    @classmethod
+    def limits(cls, hidden_size: int, vocab_size: int) -> dict[str, tuple[float, float]]:
+        """DFlash's bounds, the convolution's (taps <= MAX_BLOCK_SIZE, groups of at most D channels) and
+        the selector's (K <= V, rank <= MAX_RANK_MULTIPLE · D)."""
+        return {**super().limits(hidden_size, vocab_size), "conv_kernel_size": (1, MAX_BLOCK_SIZE),
+                "conv_group_size": (1, hidden_size), "selector_top_k": (1, vocab_size),
+                "selector_rank": (1, MAX_RANK_MULTIPLE * hidden_size)}
 
     @property
     def num_candidates(self) -> int:

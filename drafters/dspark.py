@@ -54,7 +54,7 @@ from pydantic import Field, field_validator
 from torch import nn
 
 from specray.drafters import dflash
-from specray.drafters.common import Linear
+from specray.drafters.common import MAX_RANK_MULTIPLE, Linear
 from specray.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashSection
 
 HEAD_TYPES = ("vanilla", "gated", "rnn")
@@ -80,6 +80,11 @@ class DSparkConfig(DFlashConfig):
     @property
     def num_draft_tokens(self) -> int:  # m = B: the anchor row predicts too
         return self.block_size
+
+    @classmethod
+    def limits(cls, hidden_size: int, vocab_size: int) -> dict[str, tuple[float, float]]:
+        """DFlash's bounds and the sequence head's rank (at most MAX_RANK_MULTIPLE · D)."""
+        return {**super().limits(hidden_size, vocab_size), "markov_rank": (1, MAX_RANK_MULTIPLE * hidden_size)}
 
 
 class DSparkSection(DFlashSection):

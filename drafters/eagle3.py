@@ -46,7 +46,7 @@ from pydantic import Field
 from torch import nn
 
 from specray.drafters.common import (DrafterSectionBase, DraftVocabHead, Linear, RMSNorm, RotaryFrequencies,
-                                     check_drafter_rope, target_rope, target_sizes)
+                                     check_drafter_rope, size_limits, target_rope, target_sizes)
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,11 @@ class Eagle3Config:
         if unknown:
             raise ValueError(f"unknown EAGLE-3 config keys {sorted(unknown)}; valid keys: {sorted(known)}")
         return cls(**data)
+
+    @classmethod
+    def limits(cls, hidden_size: int, vocab_size: int) -> dict[str, tuple[float, float]]:
+        """Inclusive bounds of the numeric fields for a target of width D and vocabulary V (drafters/common.py)."""
+        return size_limits(hidden_size, vocab_size)
 
 
 class Eagle3Section(DrafterSectionBase):

@@ -1,20 +1,26 @@
 """The peer export format: an export written as a ``speculators`` checkpoint, which vLLM loads.
 
-    specray export runs/x/exports/final --format speculators      # -> runs/x/exports/final-speculators
+    specray export runs/x/exports/final --format speculators [--verifier meta-llama/Llama-3.1-8B-Instruct]
     vllm serve runs/x/exports/final-speculators                     # the verifier its config names
 
 (or ``vllm serve TARGET --speculative-config '{"model": DIR, "method": "dflash"}'``: given only
 ``model``, vLLM guesses the method from the directory's name and falls back to a plain draft model.)
 
     <out>/config.json          speculators_model_type, a complete transformer_layer_config (vLLM
-                               fills in nothing), speculators_config (a greedy proposal of k
-                               tokens; the verifier), and the algorithm's fields
+                               fills in nothing; its RoPE both as rope_parameters and as the
+                               legacy top-level rope_theta / rope_scaling, ``rope_fields``; the
+                               legacy keys also at the config's top level),
+                               speculators_config (a greedy proposal of k tokens; the verifier:
+                               the name the user gives, else the target's recorded name, never a
+                               local cache path), and the algorithm's fields
     <out>/model.safetensors    the drafter's weights under the peer names; with a draft
                                vocabulary also d2t, t2d and lm_head.weight; the target's
                                embedding and LM head where the peer model reads them from it
     <out>/specray_export.json  our provenance: the source export's config.json (fingerprints,
                                capture contract) and export.json (sha256 of its weights), the
-                               target it was checked against, the sha256 of this model.safetensors
+                               target it was checked against, the verifier, how to serve it,
+                               the sha256 of this model.safetensors
+    <out>/README.md            the model card (drafters/card.py); every file readable by others
 
 Weights, ours -> peer (speculators 0.9.0 ``DFlashDraftModel`` / ``Eagle3DraftModel``)::
 
@@ -58,13 +64,17 @@ peer counts layer *inputs*, so the same tensor is ``i + 1`` there, listed ascend
 A drafter the peer model cannot express is refused (``PeerFormatError`` naming the field and
 the fix) rather than exported to give other logits: DFlash's learned in-block key bias and its
 sliding attention (vLLM slides the window per query row; ours ends at the block's anchor).
+
+The pieces the SGLang format (drafters/sglang.py) and the import (drafters/peer_import.py) share
+live here: ``load_source`` (an export checked against its target), ``peer_name`` /
+``rename_state`` (the name mapping), ``decoder_config`` (a complete transformers config of the
+draft layers) and ``write_directory`` (the atomic, readable directory with its card).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 import tempfile
@@ -78,7 +88,8 @@ from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
 
 from specray.capture.target import Target, load_target
 from specray.drafters.common import d2t_offsets, t2d_mask
-from specray.drafters.format import load_drafter, read_drafter_config
+from specray.drafters.card import CARD_FILE, PEER_RECORD
+from specray.drafters.format import load_drafter, publish_directory, read_drafter_config
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format this writes (and the tests load)
 
@@ -235,23 +246,31 @@ def ascending_fc(fc_weight: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
     return torch.cat([blocks[i] for i in sorted(range(len(layer_ids)), key=layer_ids.__getitem__)], dim=1)
 
 
-def peer_state(layout: PeerLayout, state: dict[str, torch.Tensor], layer_ids: list[int]) -> dict[str, torch.Tensor]:
-    """The drafter's own weights under the peer names (``draft_vocab`` is handled by ``vocab_tensors``)."""
+def peer_name(renames: tuple[tuple[str, str], ...], key: str, fmt: str) -> str:
+    """The peer's name of our state-dict key ``key`` (the first matching pattern of ``renames``; an
+    empty template: the peer has no such tensor, "")."""
+    for pattern, template in renames:
+        if re.fullmatch(pattern, key):
+            return re.sub(pattern, template, key) if template else ""
+    raise PeerFormatError(f"weight {key!r} has no name in the {fmt} format; the drafter has a module this "
+                          "specray cannot export (drafters/peer.py, drafters/sglang.py layouts)")
+
+
+def rename_state(renames: tuple[tuple[str, str], ...], state: dict[str, torch.Tensor], layer_ids: list[int],
+                 fmt: str) -> dict[str, torch.Tensor]:
+    """The drafter's own weights under a peer's names (``peer_name``), fc.weight's input blocks
+    ascending (``draft_vocab`` is handled by ``target_tensors``)."""
     out: dict[str, torch.Tensor] = {}
     for key, tensor in state.items():
-        if key == "draft_vocab":
-            continue
-        for pattern, template in layout.renames:
-            if re.fullmatch(pattern, key):
-                peer_key = re.sub(pattern, template, key) if template else ""
-                break
-        else:
-            raise PeerFormatError(f"{layout.model_type} weight {key!r} has no name in the speculators format; "
-                                  "the drafter has a module this specray cannot export (drafters/peer.py PEER_LAYOUTS)")
-        if peer_key:
-            out[peer_key] = tensor.detach().contiguous()
+        if key != "draft_vocab" and (name := peer_name(renames, key, fmt)):
+            out[name] = tensor.detach().contiguous()
     out["fc.weight"] = ascending_fc(out["fc.weight"], layer_ids).contiguous()
     return out
+
+
+def peer_state(layout: PeerLayout, state: dict[str, torch.Tensor], layer_ids: list[int]) -> dict[str, torch.Tensor]:
+    """The drafter's own weights under the speculators names."""
+    return rename_state(layout.renames, state, layer_ids, f"speculators {layout.model_type}")
 
 
 def target_tensors(layout: PeerLayout, draft_vocab: torch.Tensor | None, embed_weight: torch.Tensor,
@@ -270,26 +289,55 @@ def target_tensors(layout: PeerLayout, draft_vocab: torch.Tensor | None, embed_w
     return out
 
 
+def rope_fields(arch: dict) -> dict:
+    """The drafter's RoPE in both encodings transformers has used: ``rope_parameters`` (transformers
+    5: ``rope_type``, ``rope_theta`` and the type's fields) and the legacy top-level ``rope_theta``,
+    with ``rope_scaling`` (the type's fields) where the type is not ``default``; a loader on
+    transformers 4.x reads only the legacy keys and would otherwise take theta = 10000.
+
+    Reads what the drafter config holds: ``rope_parameters`` or ``rope_scaling`` when it has one,
+    and ``rope_theta``. Example: theta 5e5, llama3 scaling ->
+    ``{"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, ...},
+    "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, ...}}``."""
+    given = arch.get("rope_parameters") or arch.get("rope_scaling") or {}
+    params = {k: v for k, v in given.items() if k != "type"}
+    params["rope_type"] = given.get("rope_type") or given.get("type") or "default"
+    theta = given.get("rope_theta", arch.get("rope_theta", 10000.0))
+    params["rope_theta"] = float(theta)
+    fields = {"rope_parameters": params, "rope_theta": params["rope_theta"]}
+    if params["rope_type"] != "default":
+        fields["rope_scaling"] = {k: v for k, v in params.items() if k != "rope_theta"}
+    return fields
+
+
 def layer_config(layout: PeerLayout, arch: dict, target: Target, dtype: torch.dtype) -> dict:
     """The complete transformers config of the peer's decoder layers (every field written)."""
+    return decoder_config(layout.layer_config, arch, target, dtype)
+
+
+def decoder_config(config_cls: type[PretrainedConfig], arch: dict, target: Target, dtype: torch.dtype) -> dict:
+    """A complete ``config_cls`` (a transformers config) of the drafter's decoder layers, with the
+    RoPE fields in both encodings (``rope_fields``)."""
     tcfg = target.model.config
-    config = layout.layer_config(
+    rope = rope_fields(arch)
+    config = config_cls(
         vocab_size=arch["vocab_size"], hidden_size=arch["hidden_size"],
         intermediate_size=arch["intermediate_size"], num_hidden_layers=arch["num_layers"],
         num_attention_heads=arch["num_heads"], num_key_value_heads=arch["num_kv_heads"], head_dim=arch["head_dim"],
         hidden_act="silu", rms_norm_eps=arch["rms_norm_eps"], attention_bias=False,
         # the drafter's RoPE, which is the target's (drafters/rope.py): the peer's rotary class computes it
-        rope_parameters={"rope_type": "default", **(arch.get("rope_scaling") or {}), "rope_theta": float(arch["rope_theta"])},
+        rope_parameters=dict(rope["rope_parameters"]),
         max_position_embeddings=arch.get("max_position_embeddings") or tcfg.max_position_embeddings,
         tie_word_embeddings=False,
         pad_token_id=tcfg.pad_token_id, bos_token_id=tcfg.bos_token_id, eos_token_id=tcfg.eos_token_id,
     ).to_dict()
+    config.update(rope)
     config["dtype"] = str(dtype).removeprefix("torch.")
     return config
 
 
 def peer_config(layout: PeerLayout, arch: dict, target: Target, dtype: torch.dtype,
-                num_speculative_tokens: int | None, verifier_name_or_path: str | None) -> dict:
+                num_speculative_tokens: int | None, verifier_name_or_path: str) -> dict:
     """config.json of the speculators checkpoint."""
     k = num_speculative_tokens if num_speculative_tokens is not None else layout.speculative_tokens(arch)
     return {
@@ -299,6 +347,10 @@ def peer_config(layout: PeerLayout, arch: dict, target: Target, dtype: torch.dty
         "transformer_layer_config": layer_config(layout, arch, target, dtype),
         "draft_vocab_size": arch["draft_vocab_size"] or arch["vocab_size"],
         "target_hidden_size": arch["hidden_size"],
+        # the legacy RoPE keys at the top level too: a loader that reads the draft's RoPE there (with the
+        # length transformers' RoPE standardisation reads beside rope_scaling)
+        **{k: v for k, v in rope_fields(arch).items() if k != "rope_parameters"},
+        "max_position_embeddings": arch.get("max_position_embeddings") or target.config.max_position_embeddings,
         layout.layer_ids_field: peer_layer_ids(list(arch["target_layer_ids"])),
         **layout.fields(arch),
         "speculators_config": {
@@ -306,7 +358,7 @@ def peer_config(layout: PeerLayout, arch: dict, target: Target, dtype: torch.dty
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier_name_or_path or str(target.path),
+            "verifier": {"name_or_path": verifier_name_or_path,
                          "architectures": list(target.model.config.architectures or [])},
         },
         "dtype": str(dtype).removeprefix("torch."),
@@ -337,6 +389,55 @@ def _resolve_target(target: Target | str | None, export: dict, src: Path) -> Tar
     return load_target(name)
 
 
+@dataclass
+class SourceExport:
+    """A specray export, checked against its target, about to be written in a peer format."""
+
+    path: Path
+    config: dict  # its config.json
+    export: dict  # its export.json
+    target: Target
+    model: torch.nn.Module  # the loaded drafter (the target's embedding and LM head shared)
+    verifier: str  # what the peer config names as the verifier
+
+    @property
+    def arch(self) -> dict:
+        return self.model.config.to_dict()
+
+
+def default_verifier(export: dict, target: Target) -> str:
+    """The verifier a peer config names when the user names none: the target's recorded name (the
+    name the drafter was trained with, export.json's ``target``), never a local cache path."""
+    return str(export.get("target") or target.name)
+
+
+def load_source(export_dir: str | Path, target: Target | str | None, verifier: str | None) -> SourceExport:
+    """Read and check the specray export ``export_dir`` against ``target`` (default: the one its
+    export.json names), as serving would (``load_drafter``)."""
+    src = Path(export_dir)
+    config = read_drafter_config(src)
+    export = json.loads((src / "export.json").read_text())
+    target = _resolve_target(target, export, src)
+    model = load_drafter(src, embed_tokens=target.model.get_input_embeddings(),
+                         lm_head=target.model.get_output_embeddings(),
+                         target_fingerprint=target.target_fingerprint, template_fingerprint=target.template_fingerprint)
+    if verifier is not None and not verifier.strip():
+        raise PeerFormatError("--verifier is empty; name the verifier as a Hugging Face id or a path, or leave it "
+                              "out for the target's recorded name")
+    return SourceExport(src, config, export, target, model, verifier or default_verifier(export, target))
+
+
+def peer_record(source: SourceExport, *, fmt: str, format_name: str, serve_commands: list[str]) -> dict:
+    """A peer export's ``specray_export.json``: where it came from (the source export's config.json
+    and export.json, the target it was checked against), the verifier it names, how to serve it."""
+    t = source.target
+    return {"source": str(source.path.resolve()), "format": fmt, "format_name": format_name,
+            "verifier": source.verifier, "serve_commands": serve_commands,
+            "target": {"name": t.name, "target_fingerprint": t.target_fingerprint,
+                       "template_fingerprint": t.template_fingerprint},
+            "source_config": source.config, "source_export": source.export}
+
+
 def write_peer_export(export_dir: str | Path, out_dir: str | Path, *, target: Target | str | None = None,
                       num_speculative_tokens: int | None = None, verifier_name_or_path: str | None = None) -> Path:
     """Write the specray export ``export_dir`` as a speculators checkpoint at ``out_dir``.
@@ -344,46 +445,47 @@ def write_peer_export(export_dir: str | Path, out_dir: str | Path, *, target: Ta
     ``target``: the target the drafter was trained for (a loaded ``Target`` or a name; default:
     the one named in export.json); the export is checked against its fingerprints and its LM
     head gives ``lm_head.weight``. ``num_speculative_tokens``: the proposal's k (default: the
-    layout's). ``verifier_name_or_path``: what the config names as verifier (default: the
-    target's local directory, from which speculators reloads the embedding and LM head).
+    layout's). ``verifier_name_or_path``: what the config names as verifier, an HF id or a path
+    (default: the target's recorded name, ``default_verifier``).
     """
-    src, out = Path(export_dir), Path(out_dir)
+    out = Path(out_dir)
     if out.exists():
         raise FileExistsError(f"{out} exists; choose a new directory for the speculators export")
-    config = read_drafter_config(src)
-    export = json.loads((src / "export.json").read_text())
-    layout = _layout(config["algorithm"])
-    target = _resolve_target(target, export, src)
-    model = load_drafter(src, embed_tokens=target.model.get_input_embeddings(),
-                         lm_head=target.model.get_output_embeddings(),
-                         target_fingerprint=target.target_fingerprint, template_fingerprint=target.template_fingerprint)
-    arch, state = model.config.to_dict(), model.state_dict()
+    source = load_source(export_dir, target, verifier_name_or_path)
+    layout = _layout(source.config["algorithm"])
+    arch, state = source.arch, source.model.state_dict()
     reasons = layout.refusals(arch, state)
     if reasons:
-        raise PeerFormatError(f"{src} cannot be exported in the speculators format: " + "; ".join(reasons))
+        raise PeerFormatError(f"{source.path} cannot be exported in the speculators format: " + "; ".join(reasons))
     dtype = state["fc.weight"].dtype
+    model = source.model
     tensors = {**peer_state(layout, state, list(arch["target_layer_ids"])),
                **target_tensors(layout, state.get("draft_vocab"), model.embed_tokens.weight.to(dtype),
                                 model.lm_head.weight.to(dtype))}
-    peer = peer_config(layout, arch, target, dtype, num_speculative_tokens, verifier_name_or_path)
-    provenance = {"source": str(src.resolve()), "format": f"speculators {SPECULATORS_VERSION}",
-                  "target": {"name": target.name, "target_fingerprint": target.target_fingerprint,
-                             "template_fingerprint": target.template_fingerprint},
-                  "source_config": config, "source_export": export}
-    return _write(out, peer, tensors, provenance)
+    peer = peer_config(layout, arch, source.target, dtype, num_speculative_tokens, source.verifier)
+    record = peer_record(source, fmt=f"speculators {SPECULATORS_VERSION}", format_name="speculators",
+                         serve_commands=[f"vllm serve {out.name}    # serves the verifier {source.verifier}"])
+    return write_directory(out, peer, tensors, record)
 
 
-def _write(out: Path, config: dict, tensors: dict[str, torch.Tensor], provenance: dict) -> Path:
-    """Write the directory atomically (a temporary sibling renamed into place)."""
+def write_directory(out: Path, config: dict, tensors: dict[str, torch.Tensor], record: dict,
+                    extra: dict[str, str] | None = None) -> Path:
+    """Write a peer export atomically (a temporary sibling renamed into place): ``model.safetensors``,
+    ``config.json``, ``specray_export.json`` (``record`` and this file's sha256), the model card and
+    the ``extra`` files (name -> text), every file readable by other users."""
+    from specray.drafters.card import render_card
+
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     try:
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        provenance = dict(provenance, weights_sha256=_sha256(tmp / "model.safetensors"))
-        (tmp / "specray_export.json").write_text(json.dumps(provenance, indent=2, default=str) + "\n")
-        os.chmod(tmp, 0o755)
-        os.rename(tmp, out)
+        record = dict(record, weights_sha256=_sha256(tmp / "model.safetensors"))
+        (tmp / PEER_RECORD).write_text(json.dumps(record, indent=2, default=str) + "\n")
+        for name, text in (extra or {}).items():
+            (tmp / name).write_text(text)
+        (tmp / CARD_FILE).write_text(render_card(tmp))
+        publish_directory(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

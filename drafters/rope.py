@@ -117,7 +117,8 @@ def rope_frequencies(spec: RopeSpec) -> tuple[torch.Tensor, float]:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         init = ROPE_INIT_FUNCTIONS[rope_type]
-    inv_freq, scaling = init(config, device="cpu")
+    with torch.device("cpu"):  # real numbers even inside a meta-device build (a model sized, not allocated)
+        inv_freq, scaling = init(config, device="cpu")
     return inv_freq.float(), float(scaling)
 
 

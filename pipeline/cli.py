@@ -2,7 +2,9 @@
 
     specray capture -c manifests/capture-quickstart.yaml [section.field=value …]
     specray train -c manifests/train-dflash-quickstart.yaml [section.field=value …]
-    specray export runs/train-dflash-quickstart [--out DIR] [--format speculators [--target NAME]]
+    specray export runs/train-dflash-quickstart [--out DIR] [--format speculators|sglang [--verifier ID]]
+    specray import PEER_DIR --out EXPORT [--target NAME]   (speculators, SGLang / SpecForge, z-lab drafters)
+    specray push EXPORT --repo ID [--revision BRANCH] [--private]   (to the Hugging Face Hub, verified)
     specray evaluate EXPORT_DIR --manifest runs/<held-out capture>/manifest.parquet [objective.field=value …]
     specray evaluate EXPORT_DIR --live [--dataset mtbench|humaneval|jsonl:PATH --num-prompts 16 --max-tokens 32]
     specray calibrate EXPORT_DIR --manifest runs/<held-out capture>/manifest.parquet   (DSpark: STS of its confidence)
@@ -11,10 +13,13 @@
     specray regenerate --out data/self.jsonl --num 256   (self-distilled training conversations)
     specray pipeline run manifests/quickstart.yaml [section.field=value …]   (capture → … → bench on Ray)
     specray serve -c manifests/serve.yaml [section.field=value …]   (OpenAI API on Ray Serve, until Ctrl-C)
+    specray plan manifests/quickstart.yaml [--device cuda --gpu-memory 80GiB] [section.field=value …]   (memory, bytes)
     specray inspect runs/capture-quickstart/manifest.parquet [--verify]
+    specray registry list|publish EXPORT|pin N|unpin|rollback|status (--uri URI | -c SERVE_CONFIG)
     specray bench capture --json bench/capture.json [-c CONFIG] [--repeats 3] [overrides …]
     specray bench train --json bench/train.json [-c CONFIG] [overrides …]
     specray bench load --drafter EXPORT_DIR --clients 4 --minutes 2 --json bench/load.json [-c SERVE_CONFIG] [overrides …]
+    specray --version   (the package version, and the git commit when run from a checkout)
 
 Config mistakes, bad data and bad paths exit with status 2 and a one-paragraph message that
 names the field and the fix; ``inspect --verify`` lists every missing or corrupt blob and
@@ -27,14 +32,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from specray.capture.contract import ContractMismatchError
-from specray.capture.target import DEFAULT_TARGET
-from specray.pipeline.config import CaptureJobConfig, ConfigError, load_config
+from specray.capture.defaults import DEFAULT_TARGET
 
-USER_ERRORS = (ConfigError, ContractMismatchError, ValueError, FileExistsError, FileNotFoundError)
+# ConfigError and ContractMismatchError are ValueErrors: nothing heavy is imported to catch them (`--help`
+# answers at once because the commands import torch, transformers and Ray only when they run).
+USER_ERRORS = (ValueError, FileExistsError, FileNotFoundError)
 
 
 def _cmd_capture(args: argparse.Namespace) -> int:
+    from specray.pipeline.config import CaptureJobConfig, load_config
     from specray.pipeline.jobs.capture import run_capture
 
     cfg = load_config(CaptureJobConfig, args.config, args.overrides)
@@ -44,7 +50,7 @@ def _cmd_capture(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from specray.pipeline.config import TrainJobConfig
+    from specray.pipeline.config import TrainJobConfig, load_config
     from specray.pipeline.jobs.train import run_training
 
     cfg = load_config(TrainJobConfig, args.config, args.overrides)
@@ -57,26 +63,79 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from specray.trainer.export import export_checkpoint
 
     if args.format == "specray":
+        if args.verifier is not None:
+            raise ValueError("--verifier names the verifier in a peer format's config; use it with "
+                             "--format speculators or --format sglang")
         out = export_checkpoint(args.checkpoint, args.out)
         print(f"exported   {out}")
         return 0
-    from specray.drafters.peer import write_peer_export
+    from specray.trainer.export import write_peer_format
 
     source = Path(args.checkpoint)
     if not (source / "export.json").is_file():  # a checkpoint: our export first, where `specray export` puts it
         source = export_checkpoint(source)
         print(f"exported   {source}")
-    out = write_peer_export(source, args.out or f"{source}-speculators", target=args.target)
-    print(f"exported   {out} (speculators; serve it with `vllm serve {out}`)")
+    out, record = write_peer_format(args.format, source, args.out or f"{source}-{args.format}", target=args.target,
+                                    verifier=args.verifier)
+    print(f"exported   {out} ({record['format']}; verifier {record['verifier']})")
+    for command in record["serve_commands"]:
+        print(f"serve      {command}")
+    return 0
+
+
+def _cmd_import(args: argparse.Namespace) -> int:
+    import json
+
+    from specray.drafters.peer_import import import_peer, is_peer_directory
+
+    if not is_peer_directory(args.source):
+        if (Path(args.source) / "config.json").is_file():
+            raise ValueError(f"{args.source} is already a specray export; evaluate, serve or fine-tune it as it is")
+        raise FileNotFoundError(f"{args.source} has no config.json: give a drafter directory (speculators, SGLang / "
+                                "SpecForge or z-lab format)")
+    out = import_peer(args.source, args.out, target=args.target, capture_dtype=args.capture_dtype)
+    provenance = json.loads((out / "export.json").read_text())
+    config = json.loads((out / "config.json").read_text())
+    print(f"imported   {out} from {provenance['imported_format']} {config['algorithm']} ({args.source}) for "
+          f"{provenance['target']}: layers {config['capture_contract']['layer_ids']}")
+    print(f"checked    {'; '.join(provenance['import_checks'])}")
+    return 0
+
+
+def _cmd_push(args: argparse.Namespace) -> int:
+    from huggingface_hub.errors import HfHubHTTPError
+
+    from specray.trainer.hub import PushVerificationError, push_export
+
+    try:
+        result = push_export(args.export, args.repo, revision=args.revision, private=args.private, token=args.token,
+                             endpoint=args.endpoint)
+    except HfHubHTTPError as e:  # refused by the Hub: a token, a repo id or a permission to fix
+        print(f"specray push: error: the Hub refused the push: {e}", file=sys.stderr)
+        return 2
+    except PushVerificationError as e:
+        print(f"specray push: verification failed: {e}", file=sys.stderr)
+        return 1
+    print(f"pushed     {args.export} -> {result.repo_id}@{result.revision} (commit {result.commit[:12]})")
+    for name, info in sorted(result.files.items()):
+        print(f"verified   {name:<24} {info['size']:>12} bytes  {info['sha256']}")
+    print(f"url        {result.url}")
     return 0
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     import json
+    import os
 
-    from specray.pipeline.config import apply_overrides
+    from specray.capture.store import read_manifest
+    from specray.drafters.peer_import import is_peer_directory
+    from specray.pipeline.config import ConfigError, apply_overrides
     from specray.pipeline.jobs.train import evaluate_export
 
+    if is_peer_directory(args.export):  # imported under the dtype the features it is evaluated on are stored in
+        dtype = "bfloat16" if args.manifest is None else read_manifest(args.manifest, endpoint_url=args.endpoint_url) \
+            .contract.dtype
+        args.export = _drafter_dir(args.export, args.target, capture_dtype=dtype)
     if args.manifest is None and not args.live:  # the default: the target's own answers to held-out prompts
         from specray.pipeline.jobs.heldout import heldout_manifest
 
@@ -95,10 +154,29 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
               "(labels inside the drafter's vocabulary)")
     if args.live:
         result.update(_live_evaluation(args))
+    if os.access(args.export, os.W_OK):  # the export's evaluation.json and model card record it
+        from specray.drafters.card import record_evaluation
+
+        print(f"recorded   {record_evaluation(args.export, result)} (evaluation.json)")
+    else:
+        print(f"note       {args.export} is not writable: its model card does not record this evaluation")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def _drafter_dir(path: str, target_name: str, *, capture_dtype: str = "bfloat16") -> str:
+    """``path``, or the export a peer drafter's directory imports to for ``target_name`` (cached)."""
+    from specray.drafters.peer_import import as_export, is_peer_directory
+
+    if path is None or not is_peer_directory(path):
+        return path
+    from specray.capture.target import load_target
+
+    export = as_export(path, load_target(target_name), capture_dtype=capture_dtype)
+    print(f"imported   {path} -> {export}")
+    return str(export)
 
 
 def _live_evaluation(args: argparse.Namespace) -> dict:
@@ -136,7 +214,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
-    engine = Engine(load_target(args.target, dtype=args.dtype), args.drafter, max_batch=max(1, len(args.prompt)),
+    drafter = _drafter_dir(args.drafter, args.target)
+    engine = Engine(load_target(args.target, dtype=args.dtype), drafter, max_batch=max(1, len(args.prompt)),
                     max_len=args.max_len, **_speculation_options(args))
     start = time.perf_counter()
     outputs = engine.generate(args.prompt, params)
@@ -185,7 +264,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import time
 
     from specray.actors.serve import start_serving
-    from specray.pipeline.config import ServeJobConfig
+    from specray.pipeline.config import ServeJobConfig, load_config
 
     cfg = load_config(ServeJobConfig, args.config, args.overrides)
     handle = start_serving(cfg)
@@ -204,7 +283,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_pipeline(args: argparse.Namespace) -> int:
     import time
 
-    from specray.pipeline.config import PipelineConfig
+    from specray.pipeline.config import PipelineConfig, load_config
     from specray.pipeline.jobs import run_manifest
 
     cfg = load_config(PipelineConfig, args.manifest, args.overrides)
@@ -220,6 +299,19 @@ def _cmd_pipeline(args: argparse.Namespace) -> int:
         print("stopping", flush=True)
     finally:
         handle.stop()
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from specray.pipeline.config import PipelineConfig, load_config
+    from specray.pipeline.jobs.plan import parse_bytes, plan, plan_table, write_json
+
+    cfg = load_config(PipelineConfig, args.manifest, args.overrides)
+    gpu_memory = parse_bytes(args.gpu_memory) if args.gpu_memory else None
+    stages = plan(cfg, device=args.device, gpu_memory=gpu_memory, tokens_per_sample=args.tokens_per_sample)
+    print(plan_table(stages))
+    if args.json:
+        write_json(stages, args.json)
     return 0
 
 
@@ -283,7 +375,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from specray.pipeline.bench.common import write_json
-    from specray.pipeline.config import TrainJobConfig
+    from specray.pipeline.config import CaptureJobConfig, TrainJobConfig, load_config
 
     if args.benchmark == "serve":
         from specray.pipeline.bench import serve as serve_bench
@@ -336,8 +428,149 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_registry_open(args: argparse.Namespace):
+    """The registry ``specray registry`` works on: ``--uri``, or a serve manifest's ``registry`` section."""
+    from specray.pipeline.config import ConfigError, ServeJobConfig, load_config
+    from specray.serving.registry import DrafterRegistry
+
+    if args.uri is None and args.config is None:
+        raise ConfigError("name the registry: --uri PATH|file://…|s3://BUCKET/PREFIX, or -c a serve manifest "
+                          "(its registry.uri)")
+    if args.uri is not None:
+        return DrafterRegistry(args.uri, endpoint_url=args.endpoint_url)
+    section = load_config(ServeJobConfig, args.config, []).registry
+    if section.uri is None:
+        raise ConfigError(f"{args.config} has no registry.uri; set it, or pass --uri")
+    return DrafterRegistry(section.uri, endpoint_url=args.endpoint_url or section.endpoint_url)
+
+
+def _cmd_registry_time(unix: float | None) -> str:
+    import time
+
+    return "-" if not unix else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix))
+
+
+def _cmd_registry(args: argparse.Namespace) -> int:
+    import json
+
+    registry = _cmd_registry_open(args)
+    action = {"list": _cmd_registry_list, "publish": _cmd_registry_publish, "pin": _cmd_registry_pin,
+              "unpin": _cmd_registry_unpin, "rollback": _cmd_registry_rollback,
+              "status": _cmd_registry_status}[args.action]
+    result = action(registry, args)
+    if getattr(args, "json", False):
+        print(json.dumps(result, indent=2))
+    return 0
+
+
+def _cmd_registry_list(registry, args: argparse.Namespace) -> dict:
+    """Every complete version: when it was published, its bytes, whether it is pinned, rejected or served."""
+    import time
+
+    from specray.serving.poller import stale_after_s
+
+    pinned, rejections = registry.pinned(), registry.rejections()
+    serving: dict = {}  # version -> replicas serving it (reports that are not stale)
+    for report in registry.replicas():
+        if time.time() - report.get("reported_at", 0) <= stale_after_s(report):
+            serving[report.get("version")] = serving.get(report.get("version"), 0) + 1
+    rows = []
+    for version in registry.versions():
+        marker = registry.describe(version)
+        state = [f"rejected ({r.scope}: {r.reason[:60]})" for r in rejections.get(version, [])]
+        state += ["pinned"] if version == pinned else []
+        state += [f"served by {serving[version]}"] if version in serving else []
+        rows.append({"version": version, "published_at": marker.get("published_at"), "source": marker.get("source"),
+                     "bytes": sum(marker.get("files", {}).values()), "state": state or ["good"]})
+    if not args.json:
+        print(f"registry   {registry.uri} ({'pinned to ' + str(pinned) if pinned else 'not pinned'})")
+        print(f"{'version':>8}  {'published':19}  {'bytes':>11}  state / source")
+        for r in rows:
+            print(f"{r['version']:>8}  {_cmd_registry_time(r['published_at']):19}  {r['bytes']:>11}  "
+                  f"{', '.join(r['state'])}  {r['source']}")
+    return {"uri": registry.uri, "pinned": pinned, "versions": rows}
+
+
+def _cmd_registry_publish(registry, args: argparse.Namespace) -> dict:
+    version = registry.publish(args.export)
+    print(f"published  {args.export} as version {version} of {registry.uri}")
+    return {"version": version}
+
+
+def _cmd_registry_pin(registry, args: argparse.Namespace) -> dict:
+    registry.pin(args.version, reason=args.reason)
+    print(f"pinned     version {args.version}: replicas serve it at their next poll, whatever is published after it")
+    return {"pinned": args.version}
+
+
+def _cmd_registry_unpin(registry, args: argparse.Namespace) -> dict:
+    was = registry.unpin()
+    what = f"version {was}" if was else "nothing was pinned"
+    print(f"unpinned   {what}: replicas serve the newest good version")
+    return {"unpinned": was}
+
+
+def _cmd_registry_rollback(registry, args: argparse.Namespace) -> dict:
+    """Reject the newest version no scope rejects, for every replica; they fall back to the one before."""
+    from specray.serving.registry import OPERATOR
+
+    pinned = registry.pinned()
+    if pinned is not None:
+        raise ValueError(f"version {pinned} is pinned, so replicas serve it whatever is rejected; pin another version "
+                         "(specray registry pin N) or unpin first")
+    rejected = registry.rejections()
+    good = [v for v in registry.versions() if v not in rejected]
+    if not good:
+        raise ValueError(f"{registry.uri} has no version to roll back: every version is rejected or none is published")
+    registry.reject(good[-1], OPERATOR, args.reason or "rolled back", by="operator")
+    after = f"version {good[-2]}" if len(good) > 1 else "the drafter they started with (no good version is left)"
+    print(f"rolled back version {good[-1]} (rejected for every replica; `specray registry pin {good[-1]}` serves it "
+          f"again): replicas fall back to {after}")
+    return {"rejected": good[-1], "serving": good[-2] if len(good) > 1 else None}
+
+
+def _cmd_registry_status(registry, args: argparse.Namespace) -> dict:
+    """Every replica's last report: the version it serves, its live tau, what it is loading, its last error."""
+    import time
+
+    from specray.serving.poller import stale_after_s
+
+    pinned, rejected, now = registry.pinned(), registry.rejections(), time.time()
+    good = [v for v in registry.versions() if v not in rejected]
+    replicas = []
+    for r in registry.replicas():
+        age = now - r.get("reported_at", 0)
+        state = "gone" if age > stale_after_s(r) else f"loading v{r['loading']}" if r.get("loading") else "serving"
+        replicas.append({**r, "state": state, "age_s": round(age, 1)})
+    if not args.json:
+        print(f"registry   {registry.uri}: newest good version {good[-1] if good else None}, "
+              f"{'pinned to ' + str(pinned) if pinned else 'not pinned'}")
+        print(f"{'replica':24}  {'version':>7}  {'tau':>6}  {'state':14}  {'report':>8}  last error")
+        for r in replicas:
+            tau = "-" if r.get("tau") is None else f"{r['tau']:.3f}"
+            version = "ar" if r.get("version") is None else r["version"]
+            print(f"{r['replica'][:24]:24}  {version!s:>7}  {tau:>6}  {r['state']:14}  {r['age_s']:>6.0f} s  "
+                  f"{(r.get('last_error') or '-')[:100]}")
+    return {"uri": registry.uri, "pinned": pinned, "newest_good": good[-1] if good else None, "replicas": replicas}
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: computed when asked (git runs only then), printed, exit 0."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from specray.pipeline.version import version_string
+
+        print(version_string())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specray", description="capture -> train -> export -> serve for speculative drafters")
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print the package version (and the git commit when run from a checkout) and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     capture = sub.add_parser("capture", help="capture target features into a store and write a manifest")
@@ -354,15 +587,39 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export", help="turn a training checkpoint into a drafter directory for serving")
     export.add_argument("checkpoint", help="a run dir (its latest checkpoint), a checkpoints dir, or a step-* dir; "
-                                           "with --format speculators also an export directory")
+                                           "with a peer --format also an export directory")
     export.add_argument("--out", default=None, help="export directory (default <run_dir>/exports/step-N; "
-                                                    "speculators: <export>-speculators)")
-    export.add_argument("--format", choices=("specray", "speculators"), default="specray",
+                                                    "a peer format: <export>-<format>)")
+    export.add_argument("--format", choices=("specray", "speculators", "sglang"), default="specray",
                         help="specray: our serving format; speculators: the format vLLM and the speculators "
-                             "package load (drafters/peer.py)")
-    export.add_argument("--target", default=None, help="speculators: the target the drafter was trained for "
+                             "package load (drafters/peer.py); sglang: EAGLE-3 as LlamaForCausalLMEagle3, the "
+                             "DFlash family in z-lab's format, as SGLang loads them (drafters/sglang.py)")
+    export.add_argument("--target", default=None, help="peer formats: the target the drafter was trained for "
                                                        "(default: the one named in its export.json)")
+    export.add_argument("--verifier", default=None,
+                        help="peer formats: the verifier the config and model card name, a Hugging Face id or a path "
+                             "(default: the target's recorded name in export.json)")
     export.set_defaults(fn=_cmd_export)
+
+    imp = sub.add_parser("import", help="a drafter in a peer format (speculators, SGLang / SpecForge EAGLE-3, z-lab "
+                                        "DFlash family) as a specray export, checked against the target")
+    imp.add_argument("source", help="the peer drafter's directory (config.json + safetensors)")
+    imp.add_argument("--out", required=True, help="the export directory to write")
+    imp.add_argument("--target", default=None, help="the target it drafts for (default: the verifier a speculators "
+                                                    "config names; SGLang and z-lab configs name none)")
+    imp.add_argument("--capture-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                     help="the feature dtype its capture contract records (what a fine-tune's capture stores)")
+    imp.set_defaults(fn=_cmd_import)
+
+    push = sub.add_parser("push", help="upload an export (ours or a peer format's) with its model card to a Hugging "
+                                       "Face Hub model repo, then verify every file's size and hash there")
+    push.add_argument("export", help="an export directory (specray export, with or without --format)")
+    push.add_argument("--repo", required=True, help="the model repo id, e.g. me/qwen3-8b-dflash (created if missing)")
+    push.add_argument("--revision", default=None, help="the branch to commit to (default main; created if missing)")
+    push.add_argument("--private", action="store_true", help="create the repo private")
+    push.add_argument("--token", default=None, help="a Hub token with write access (default $HF_TOKEN or the saved login)")
+    push.add_argument("--endpoint", default=None, help="the Hub's URL (default $HF_ENDPOINT, else huggingface.co)")
+    push.set_defaults(fn=_cmd_push)
 
     evaluate = sub.add_parser("evaluate", help="teacher-forced per-position accuracy of an export on a manifest "
                                                "(--manifest) and its live acceptance on the serving engine (--live)")
@@ -411,7 +668,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_speculation_args(generate)
     generate.set_defaults(fn=_cmd_generate)
 
-    from specray.serving.cost_table import DEFAULT_BATCH_SIZES, DEFAULT_CONTEXT_TOKENS, DEFAULT_ROWS
+    from specray.serving.cost_grid import DEFAULT_BATCH_SIZES, DEFAULT_CONTEXT_TOKENS, DEFAULT_ROWS
 
     prof = sub.add_parser("profile", help="measure the target's forward time by batch size and rows (the cost table "
                                           "the engine sizes speculative rounds with)")
@@ -437,10 +694,48 @@ def build_parser() -> argparse.ArgumentParser:
     pipeline_run.add_argument("overrides", nargs="*", metavar="section.field=value")
     pipeline_run.set_defaults(fn=_cmd_pipeline)
 
+    plan_cmd = sub.add_parser("plan", help="each stage's memory and bytes for a pipeline manifest, without running "
+                                           "anything (pipeline/jobs/plan.py)")
+    plan_cmd.add_argument("manifest", help="YAML pipeline manifest (e.g. manifests/quickstart.yaml)")
+    plan_cmd.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                          help="size the run for this device: bf16 target and autocast on cuda, fp32 on cpu "
+                               "(auto: cuda when this machine has a GPU)")
+    plan_cmd.add_argument("--gpu-memory", default=None, help="memory of one GPU, e.g. 80GiB: marks each device "
+                                                             "stage as fitting or not")
+    plan_cmd.add_argument("--tokens-per-sample", type=int, default=None,
+                          help="mean tokens of a sample (default: data.max_length, an upper bound)")
+    plan_cmd.add_argument("--json", help="also write the stages here")
+    plan_cmd.add_argument("overrides", nargs="*", metavar="section.field=value")
+    plan_cmd.set_defaults(fn=_cmd_plan)
+
     serve_cmd = sub.add_parser("serve", help="OpenAI-compatible Ray Serve replicas that hot-load drafters")
     serve_cmd.add_argument("-c", "--config", help="YAML serve manifest (e.g. manifests/serve.yaml)")
     serve_cmd.add_argument("overrides", nargs="*", metavar="section.field=value")
     serve_cmd.set_defaults(fn=_cmd_serve)
+
+    reg = sub.add_parser("registry", help="operate a drafter registry: versions, publish, pin, rollback, replicas")
+    reg_sub = reg.add_subparsers(dest="action", required=True)
+    for action, text in (("list", "every version: published when, bytes, pinned / rejected / served"),
+                         ("publish", "publish an export directory as the next version (race-safe)"),
+                         ("pin", "serve one version on every replica, whatever is newer"),
+                         ("unpin", "serve the newest good version again"),
+                         ("rollback", "reject the newest good version for every replica: they fall back to the one "
+                                      "before (refused while a version is pinned)"),
+                         ("status", "every replica: the version it serves, its live tau, what it loads")):
+        p = reg_sub.add_parser(action, help=text)
+        p.add_argument("--uri", default=None, help="the registry: a path, file://… or s3://BUCKET/PREFIX")
+        p.add_argument("-c", "--config", default=None, help="a serve manifest whose registry section names it")
+        p.add_argument("--endpoint-url", default=None,
+                       help="S3 endpoint (else the manifest's, or $SPECRAY_S3_ENDPOINT)")
+        if action in ("list", "status"):
+            p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+        if action == "publish":
+            p.add_argument("export", help="an export directory (specray export)")
+        if action == "pin":
+            p.add_argument("version", type=int)
+        if action in ("pin", "rollback"):
+            p.add_argument("--reason", default="", help="recorded with the pin or the rejection")
+        p.set_defaults(fn=_cmd_registry)
 
     regen = sub.add_parser("regenerate", help="answer training prompts with the target itself (self-distillation)")
     regen.add_argument("--out", required=True, help="JSONL to append to (capture reads it as jsonl:PATH)")
@@ -546,7 +841,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # overrides may follow options (``plan M --device cuda section.field=value``)
+        if not hasattr(args, "overrides") or any(e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     args.argv = argv
     try:
         return args.fn(args)

@@ -8,16 +8,19 @@ the error messages live in ``pipeline/config_loading.py`` (re-exported here).
 
 from __future__ import annotations
 
+import re
+import unicodedata
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from specray.capture.chat import NAMED_TEMPLATES, check_chat_template, check_template_kwargs
 from specray.capture.contract import CONTRACT_SPECS, STORAGE_DTYPES
 from specray.capture.data import DATASETS, ROW_DATASETS
+from specray.capture.devices import check_ray_devices
 from specray.capture.target import DEFAULT_TARGET
 from specray.drafters import DEFAULT_ALGORITHM, DRAFTERS, get_drafter
 from specray.serving.http_guard import HttpLimits
@@ -25,7 +28,9 @@ from specray.serving.recorder import RecordSettings
 from specray.trainer.assembly import TrainSpec, check_capture_fits
 from specray.trainer.core import OptimSettings
 from specray.trainer.strategies import get_strategy
+from specray.trainer.tracking import TrackingSettings
 from specray.pipeline.config_loading import ConfigError, apply_overrides, load_config  # noqa: F401 (re-exported)
+from specray.pipeline.jobs.rundir import RUNS_ROOT
 
 
 def _absolute(path_or_uri: str) -> str:
@@ -34,13 +39,61 @@ def _absolute(path_or_uri: str) -> str:
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+MAX_NAME = 128
+SUB_RUN_SUFFIX = {"offline": "-capture", "online": "-capture", "closed_loop": "-initial-capture"}
+"""The longest suffix a pipeline of each mode appends to its name for a sub-run (``capture_job``; the closed
+loop's offline and online pipelines, pipeline/jobs/closed_loop.py): the room a pipeline's name leaves."""
+
+
+def _name_problem(value: str) -> str:
+    """What makes ``value`` no run name (``_one_path_component``)."""
+    control = [c for c in value if unicodedata.category(c).startswith("C")]
+    if not value:
+        return "is empty"
+    if control:
+        return f"contains the control character {control[0]!r}"
+    if "/" in value or "\\" in value:
+        return "contains a path separator"
+    if len(value) > MAX_NAME:
+        return f"is longer than {MAX_NAME} characters"
+    if value[0] in ".-":
+        return f"starts with {value[0]!r}"
+    return "contains a character other than letters, digits, '.', '_' and '-'"
+
+
+def _one_path_component(value: str) -> str:
+    """A run name: one path component under ``runs/`` (pipeline/jobs/rundir.py)."""
+    if _NAME.fullmatch(value) and len(value) <= MAX_NAME:
+        return value
+    raise ValueError(
+        f"the run name {_name_problem(value)}; it names one directory, runs/<name>, and the run's Serve app, "
+        f"manifest and ledger: use letters, digits, '.', '_' and '-', starting with a letter or digit, at most "
+        f"{MAX_NAME} characters (e.g. name=quickstart-2)")
+
+
+RunName = Annotated[str, AfterValidator(_one_path_component)]
+"""A job's ``name``: validated as one path component (never empty, ``..``, ``a/b`` or a control character)."""
+
+
+def _strict(info: ValidationInfo) -> bool:
+    """Whether this validation runs strictly (``load_config``), so a section validated by hand runs so too."""
+    return bool((info.context or {}).get("strict"))
 
 
 class TargetConfig(Section):
     name: str = Field(DEFAULT_TARGET, description="embedded:<name>, debug[:seed], or a local HF model directory")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="compute dtype of the target forward")
-    device: str = Field("cpu", description="torch device for the target")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="compute dtype of the target: auto = bfloat16 on a GPU, float32 on the CPU (exact "
+                            "against transformers); trainer ranks read the embedding and LM head in it under bf16 "
+                            "training, else in float32")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where the target runs (capture, serving): auto = CUDA where the process is granted a "
+                            "GPU (a Ray capture actor: capture.num_gpus_per_actor), else the CPU; trainer ranks put "
+                            "the target's heads on the training device instead")
 
 
 def _chat_template_field() -> Any:
@@ -144,13 +197,13 @@ class JobConfig(Section):
 
     @property
     def run_dir(self) -> Path:
-        return Path(self.output.run_dir or Path("runs") / self.name)
+        return Path(self.output.run_dir or RUNS_ROOT / self.name)
 
 
 class CaptureJobConfig(JobConfig):
     """``specray capture``: render a dataset, capture features, write a manifest."""
 
-    name: str = Field("capture", description="run name; the default run dir is runs/<name>")
+    name: RunName = Field("capture", description="run name; the default run dir is runs/<name>")
     target: TargetConfig = TargetConfig()
     data: DataConfig = DataConfig()
     capture: CaptureConfig = CaptureConfig()
@@ -179,7 +232,7 @@ DrafterSection = Annotated[Union[tuple(spec.section for spec in DRAFTERS.values(
 discriminated by ``algorithm`` (default dflash)."""
 
 
-def _drafter_section(cls, value: Any) -> Any:
+def _drafter_section(cls, value: Any, info: ValidationInfo) -> Any:
     """Validate a ``drafter`` mapping as its algorithm's section; refuse an algorithm without a
     registered drafter and train strategy, naming the implemented ones."""
     if not isinstance(value, dict):
@@ -191,7 +244,7 @@ def _drafter_section(cls, value: Any) -> Any:
         error = PydanticCustomError("algorithm_not_implemented", str(e).replace("{", "{{").replace("}", "}}"))
         raise ValidationError.from_exception_data(
             "drafter", [InitErrorDetails(type=error, loc=("algorithm",), input=value["algorithm"])]) from None
-    return get_drafter(value["algorithm"]).section.model_validate(value)
+    return get_drafter(value["algorithm"]).section.model_validate(value, strict=_strict(info), context=info.context)
 
 
 def _objective_section(cls, value: Any, info: ValidationInfo) -> Any:
@@ -200,7 +253,9 @@ def _objective_section(cls, value: Any, info: ValidationInfo) -> Any:
     if drafter is None:  # the drafter section is invalid: its error is reported
         return value
     objective = get_strategy(drafter.algorithm).objective
-    return value if isinstance(value, objective) else objective.model_validate(value)
+    if isinstance(value, objective):
+        return value
+    return objective.model_validate(value, strict=_strict(info), context=info.context)
 
 
 def _drafter_field() -> Any:
@@ -223,12 +278,24 @@ class OptimSection(Section):
     grad_clip: float | None = Field(1.0, gt=0, description="global grad-norm clip (None = off)")
     micro_batch_size: int = Field(2, gt=0, description="sequences per rank per micro-batch")
     accumulation_steps: int = Field(1, gt=0)
-    bf16: bool = Field(False, description="bf16 autocast for the drafter forward")
     seed: int = Field(0, description="seeds init, data order and anchors")
 
 
+def _device_field() -> Any:
+    return Field("auto", description="where a rank's drafter, batches and optimizer state live: auto = CUDA where "
+                                     "the rank has a GPU, else the CPU; cuda without one is refused")
+
+
+def _precision_field() -> Any:
+    return Field("auto", description="the drafter's compute: bf16 (autocast, fp32 weights and optimizer state) or "
+                                     "fp32; auto = bf16 on CUDA, fp32 on the CPU (the golden losses)")
+
+
 class TrainerSection(Section):
-    world_size: int = Field(1, gt=0, description="DDP ranks (torch.distributed, gloo) on this machine")
+    world_size: int = Field(1, gt=0, description="DDP ranks (torch.distributed: NCCL on CUDA, one GPU each; gloo on "
+                                                 "the CPU) on this machine")
+    device: Literal["auto", "cpu", "cuda"] = _device_field()
+    precision: Literal["auto", "fp32", "bf16"] = _precision_field()
     log_every: int = Field(10, gt=0)
     checkpoint_every: int = Field(100, gt=0)
     keep_last: int | None = Field(2, gt=0, description="checkpoints kept (None = all)")
@@ -268,6 +335,11 @@ def _live_eval_field() -> Any:
                  description="live acceptance at each checkpoint: held-out prompts on the serving engine")
 
 
+def _tracking_field() -> Any:
+    return Field(default_factory=TrackingSettings,
+                 description="experiment tracking: TensorBoard, W&B and MLflow, each off by default")
+
+
 class TrainOutputSection(Section):
     run_dir: str | None = Field(None, description="checkpoints, metrics.jsonl, curves.png (None = runs/<name>)")
     resume: bool = Field(True, description="continue from the run dir's latest checkpoint if there is one")
@@ -276,7 +348,7 @@ class TrainOutputSection(Section):
 class TrainJobConfig(JobConfig):
     """``specray train``: train a drafter on a captured manifest."""
 
-    name: str = Field("train", description="run name; the default run dir is runs/<name>")
+    name: RunName = Field("train", description="run name; the default run dir is runs/<name>")
     target: TargetConfig = TargetConfig()
     data: TrainDataConfig
     drafter: DrafterSection = _drafter_field()
@@ -284,26 +356,30 @@ class TrainJobConfig(JobConfig):
     optim: OptimSection = OptimSection()
     trainer: TrainerSection = TrainerSection()
     live_eval: LiveEvalSection = _live_eval_field()
+    tracking: TrackingSettings = _tracking_field()
     output: TrainOutputSection = TrainOutputSection()
 
     _drafter = field_validator("drafter", mode="before")(classmethod(_drafter_section))
     _objective = field_validator("objective", mode="before")(classmethod(_objective_section))
 
-    def train_spec(self) -> TrainSpec:
-        """The run as ``trainer/assembly.py``'s plain spec, paths absolute (the gang's workers run elsewhere)."""
+    def train_spec(self, *, device_field: str = "trainer.device") -> TrainSpec:
+        """The run as ``trainer/assembly.py``'s plain spec, paths absolute (the gang's workers run elsewhere);
+        ``device_field`` is the config field errors about the device name (a pipeline's is ``train.device``)."""
         o, t = self.optim, self.trainer
         return TrainSpec(
             name=self.name, run_dir=str(self.run_dir.resolve()), target=self.target.name,
-            target_dtype=self.target.dtype, target_device=self.target.device,
+            target_dtype=self.target.dtype, device=t.device, precision=t.precision,
             drafter=self.drafter, objective=self.objective,
             optim=OptimSettings(lr=o.lr, weight_decay=o.weight_decay, warmup_steps=o.warmup_steps,
                                 total_steps=o.total_steps, min_lr_ratio=o.min_lr_ratio, grad_clip=o.grad_clip,
-                                accumulation_steps=o.accumulation_steps, bf16=o.bf16),
+                                accumulation_steps=o.accumulation_steps),
             micro_batch_size=o.micro_batch_size, seed=o.seed,
             manifest=_absolute(self.data.manifest) if self.data.manifest else None,
             endpoint_url=self.data.endpoint_url, max_length=self.data.max_length,
             world_size=t.world_size, log_every=t.log_every, checkpoint_every=t.checkpoint_every,
             keep_last=t.keep_last, config=self.model_dump(mode="json"), live_eval=self.live_eval.settings(),
+            device_field=device_field,
+            tracking=self.tracking if self.tracking.enabled else None,
         )
 
 
@@ -324,11 +400,16 @@ class PipelineTrainSection(Section):
     optim: OptimSection = OptimSection()
     num_workers: int = Field(1, gt=0, description="trainer gang size (Ray Train workers = DP ranks)")
     cpus_per_worker: float = Field(1.0, gt=0, description="logical CPUs per worker (Ray sets its torch threads to match)")
+    gpus_per_worker: int = Field(0, ge=0, description="GPUs Ray grants each worker (> 0: Ray Train with use_gpu, NCCL; "
+                                                      "0: CPU workers, gloo)")
+    device: Literal["auto", "cpu", "cuda"] = _device_field()
+    precision: Literal["auto", "fp32", "bf16"] = _precision_field()
     max_failures: int = Field(1, ge=0, description="worker-group restarts from the last checkpoint before the run fails")
     log_every: int = Field(10, gt=0)
     checkpoint_every: int = Field(50, gt=0)
     storage: str | None = Field(None, description="Ray Train checkpoint storage: a path or s3://… (None = <run_dir>/ray-train)")
     live_eval: LiveEvalSection = _live_eval_field()
+    tracking: TrackingSettings = _tracking_field()
 
     _drafter = field_validator("drafter", mode="before")(classmethod(_drafter_section))
     _objective = field_validator("objective", mode="before")(classmethod(_objective_section))
@@ -443,7 +524,7 @@ class ServeOutputSection(Section):
 class ServeJobConfig(JobConfig):
     """``specray serve``: OpenAI-compatible Ray Serve replicas that hot-load drafters from a registry."""
 
-    name: str = Field("serve", description="Ray Serve application name; the default run dir is runs/<name>")
+    name: RunName = Field("serve", description="Ray Serve application name; the default run dir is runs/<name>")
     model_name: str | None = Field(None, description="the model id clients send (None = the target's name)")
     target: TargetConfig = TargetConfig()
     engine: ServeEngineSection = ServeEngineSection()
@@ -472,6 +553,17 @@ class ServeJobConfig(JobConfig):
 class PipelineCaptureSection(CaptureConfig):
     num_actors: int = Field(1, gt=0, description="CaptureServer actors, each loading the target once")
     num_cpus_per_actor: float = Field(1.0, gt=0, description="logical CPUs Ray reserves per capture actor")
+    num_gpus_per_actor: float = Field(
+        0.0, ge=0, description="GPUs Ray grants each capture actor (a fraction shares one GPU; a whole number > 1 "
+                               "places the target across that many GPUs of one node with device_map=auto)")
+
+    @field_validator("num_gpus_per_actor")
+    @classmethod
+    def _whole_above_one(cls, value: float) -> float:
+        if value > 1 and value != int(value):
+            raise ValueError(f"num_gpus_per_actor={value}: above 1 an actor spreads the target over whole GPUs; use a "
+                             f"whole number ({int(value)} or {int(value) + 1}) or a fraction <= 1")
+        return value
 
 
 class PipelineServeSection(Section):
@@ -517,7 +609,7 @@ class PipelineOutputSection(Section):
 class PipelineConfig(JobConfig):
     """``specray pipeline run``: capture → train → export → serve → bench on Ray, one report."""
 
-    name: str = Field("pipeline", description="run name; the default run dir is runs/<name>")
+    name: RunName = Field("pipeline", description="run name; the default run dir is runs/<name>")
     mode: Literal["offline", "online", "closed_loop"] = Field(
         "offline", description="offline: capture everything, then train on the manifest; online: capture actors "
                                "and the trainer gang run at once, consume-once, bounded store; closed_loop: serve, "
@@ -536,6 +628,15 @@ class PipelineConfig(JobConfig):
     closed_loop: ClosedLoopSection = Field(default_factory=ClosedLoopSection,
                                            description="mode=closed_loop: iterations, records per iteration, the load")
     output: PipelineOutputSection = PipelineOutputSection()
+
+    @model_validator(mode="after")
+    def _name_leaves_room_for_sub_runs(self) -> "PipelineConfig":
+        suffix = SUB_RUN_SUFFIX[self.mode]
+        if len(self.name) + len(suffix) > MAX_NAME:
+            raise ValueError(f"name: with mode={self.mode} the run name has at most {MAX_NAME - len(suffix)} "
+                             f"characters (got {len(self.name)}): its sub-runs append up to {len(suffix)} "
+                             f"(<name>{suffix}); shorten it")
+        return self
 
     @model_validator(mode="after")
     def _online_bound_holds_a_window(self) -> "PipelineConfig":
@@ -574,6 +675,14 @@ class PipelineConfig(JobConfig):
         return self
 
     @model_validator(mode="after")
+    def _devices_have_their_ray_resources(self) -> "PipelineConfig":
+        check_ray_devices(self.target.device, self.capture.num_gpus_per_actor, device_field="target.device",
+                          gpus_field="capture.num_gpus_per_actor", who="capture actors")
+        check_ray_devices(self.train.device, self.train.gpus_per_worker, device_field="train.device",
+                          gpus_field="train.gpus_per_worker", who="trainer gang workers")
+        return self
+
+    @model_validator(mode="after")
     def _closed_loop_serves_fixed_replicas(self) -> "PipelineConfig":
         if self.mode != "closed_loop":
             return self
@@ -590,7 +699,7 @@ class PipelineConfig(JobConfig):
         return self.store.uri or (self.run_dir / "features").resolve().as_uri()
 
     def capture_job(self) -> CaptureJobConfig:
-        capture = self.capture.model_dump(exclude={"num_actors", "num_cpus_per_actor"})
+        capture = self.capture.model_dump(exclude={"num_actors", "num_cpus_per_actor", "num_gpus_per_actor"})
         return CaptureJobConfig(
             name=f"{self.name}-capture", target=self.target, data=self.data, capture=CaptureConfig(**capture),
             store=StoreConfig(uri=self.store_uri, endpoint_url=self.store.endpoint_url),
@@ -603,8 +712,9 @@ class PipelineConfig(JobConfig):
             name=f"{self.name}-train", target=self.target,
             data=TrainDataConfig(manifest=manifest, endpoint_url=self.store.endpoint_url),
             drafter=t.drafter, objective=t.objective, optim=t.optim,
-            trainer=TrainerSection(world_size=t.num_workers, log_every=t.log_every, checkpoint_every=t.checkpoint_every),
-            live_eval=t.live_eval,
+            trainer=TrainerSection(world_size=t.num_workers, log_every=t.log_every, checkpoint_every=t.checkpoint_every,
+                                   device=t.device, precision=t.precision),
+            live_eval=t.live_eval, tracking=t.tracking,
             output=TrainOutputSection(run_dir=str(self.run_dir / "train")),
         )
 

@@ -33,12 +33,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specray.capture.target import Target
+from specray.serving.cost_grid import DEFAULT_BATCH_SIZES, DEFAULT_CONTEXT_TOKENS, DEFAULT_ROWS  # noqa: F401
 from specray.serving.kv_cache import SlotKVCache
 from specray.serving.runner import LlamaRunner
-
-DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16)
-DEFAULT_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
-DEFAULT_CONTEXT_TOKENS = 256
 
 
 class CostTableError(ValueError):

@@ -275,9 +275,10 @@ class Engine:
                 self._fail(group, e)
                 continue
             tokens, errors = sample_each(logits, [r.params for r in group], [r.generator for r in group])
-            for r, first, error in zip(group, tokens, errors):
+            for b, (r, first, error) in enumerate(zip(group, tokens, errors)):
                 r.error = error
                 r.append(first, self.eos_ids, self.decode)
+                r.record_logprobs(logits[b : b + 1], 0)
                 emitted += len(r.tokens)
         return emitted
 
@@ -301,6 +302,10 @@ class Engine:
                 continue
             before = len(r.tokens)
             used = r.append(out.tokens[b], self.eos_ids, self.decode)
+            if r.logprobs is not None:
+                assert out.target_logits is not None, f"the {version.algorithm} worker keeps no target logits"
+                rows = out.target_logits[b] if out.target_rows is None else out.target_logits[b, out.target_rows[b]]
+                r.record_logprobs(rows, before)
             emitted += len(r.tokens) - before
             accepted = min(out.accepted[b], used - 1)  # the round as if it had ended at the stop
             r.emitted.append(accepted + 1)
@@ -323,7 +328,7 @@ class Engine:
     def _publish(self, requests: list[Request]) -> None:
         for r in requests:
             if r.finish_reason is None and r.error is None and len(r.tokens) > r.sent_tokens:
-                r.handle._push(r.tokens[r.sent_tokens:])
+                r.handle._push(r.tokens[r.sent_tokens:], logprobs=r.logprobs and r.logprobs[r.sent_tokens:])
                 r.sent_tokens = len(r.tokens)
 
     def _retire(self) -> None:
@@ -348,7 +353,8 @@ class Engine:
         if r.error is not None:
             r.handle._push([], error=r.error)
         else:
-            r.handle._push(r.tokens[r.sent_tokens:], output=r.output(self.decode))
+            r.handle._push(r.tokens[r.sent_tokens:], output=r.output(self.decode),
+                           logprobs=r.logprobs and r.logprobs[r.sent_tokens:])
         with self._lock:
             del self._requests[r.handle.request_id]
             r.version.live -= 1

@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP API over the engine: request/response models and the FastAPI app.
+"""OpenAI-compatible HTTP API over the engine: responses, errors, metrics and the FastAPI app.
 
     engine = Engine(load_target("debug")); loop = EngineLoop(engine).start()
     app = create_app(engine, model_name="debug")        # serve with Ray Serve (actors/serve.py),
@@ -11,6 +11,13 @@ Routes: ``POST /v1/completions`` (prompt: text, continued as is, or token ids) a
 draft position, active drafter version; Prometheus text with ``?format=prometheus``). Each
 replica reports its own metrics. The response's ``system_fingerprint`` names the drafter
 version that served the request (``specray-drafter-v3``; ``specray-ar`` without a drafter).
+Which fields a request may carry, and which values of those this server does not implement it
+accepts, is serving/openai_protocol.py. With ``logprobs`` a choice carries each output token's
+log-probability under the target's raw distribution (its logits' log-softmax, before temperature,
+top-k and top-p, as vLLM's default ``raw_logprobs``), read from the target row the token was drawn
+from — a speculative round's verify rows give them for every accepted draft — and the most
+likely alternatives there (chat: ``top_logprobs``; completions: ``logprobs`` N, the chosen token
+always listed too).
 
 Every route but /health sits behind serving/http_guard.py: with an API key, a missing or wrong
 ``Authorization: Bearer KEY`` is a 401 before the body is read; without one, only loopback
@@ -19,10 +26,13 @@ and /openapi.json exist only with ``HttpLimits.docs``. /health says only that th
 which model and drafter version it serves, and its id.
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: a malformed body
-or an out-of-range field is a 400 naming the field (FastAPI's 422 becomes 400), a prompt over
-``HttpLimits.max_prompt_bytes`` a 400 before it is tokenized, a request the engine refuses
-(empty prompt, longer than the context) a 400 with the engine's message. The engine keeps
-serving after any of them.
+(not JSON, not UTF-8, nested past the parser's depth) or an out-of-range field is a 400 naming the
+field (FastAPI's 422 becomes 400), a prompt over ``HttpLimits.max_prompt_bytes`` a 400 before it
+is tokenized, a request the engine refuses (empty prompt, longer than the context) a 400 with the
+engine's message; an unknown route is a 404 in the same shape. The engine keeps serving after
+any of them. A client that disconnects frees its slot: a stream ends with it, and a
+non-streaming request is aborted as soon as the server sees the disconnect (also under plain
+uvicorn, which does not cancel the handler).
 
 With a ``recorder`` (serving/recorder.py, the serve config's ``record`` section), every request
 that finished normally (``stop`` or ``length``; not errors, aborts or cancellations) is offered to
@@ -36,94 +46,28 @@ RequestHandle``, ``tokenize(text)``, ``decode(ids)``, ``stats()``; someone else 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
 from typing import AsyncIterator, Callable, Literal
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.exceptions import HTTPException
 
 from specray.serving.engine import GenerationOutput, QueueFullError, RequestHandle, StreamDelta
-from specray.serving.http_guard import DOCS_PATHS, HttpLimits, RequestGuard, error_response
+from specray.serving.http_guard import DOCS_PATHS, HttpLimits, RequestGuard, error_response, normalize_api_key
+from specray.serving.openai_protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest,
+                                             _SamplingFields)
 from specray.serving.recorder import FINISHED, TrafficRecorder, chat_record, completion_record
-from specray.serving.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
+from specray.serving.requests import TokenLogprob
 
-DEFAULT_CHAT_MAX_TOKENS = 256  # when a chat request sets neither max_tokens nor max_completion_tokens
 RETRY_AFTER_S = 1  # told to clients when the engine's wait queue is full
 
 
-# -- protocol models ---------------------------------------------------------------------
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # an option we do not implement is refused, never ignored
-
-
-class StreamOptions(_Body):
-    include_usage: bool = Field(False, description="send a last chunk with token usage")
-
-
-class _SamplingFields(_Body):
-    model: str | None = Field(None, description="the served model's name (see /v1/models)")
-    temperature: float = Field(1.0, ge=0, description="0 = greedy")
-    top_p: float = Field(1.0, gt=0, le=1, description="nucleus mass, in (0, 1]")
-    top_k: int = Field(0, ge=-1, description="keep the k most likely tokens; 0 or -1 = off")
-    stop: str | list[str] | None = Field(
-        None, description=f"stop strings (not included in the output): at most {MAX_STOP_STRINGS}, "
-                          f"of at most {MAX_STOP_CHARS} characters each")
-    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64,
-                             description="seeds sampling: the same output again when the engine runs fixed rounds "
-                                         "(no drafter, or speculation: static); with automatic round sizes, the same "
-                                         "distribution")
-    stream: bool = Field(False, description="server-sent events, one chunk per engine step")
-    stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="choices per request (only 1)")
-    ignore_eos: bool = Field(False, description="keep generating past EOS (benchmarks)")
-    user: str | None = Field(None, description="end-user id (recorded nowhere)")
-
-    @field_validator("stop")
-    @classmethod
-    def _bounded_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        stops = [stop] if isinstance(stop, str) else stop or []
-        if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
-        long = [i for i, s in enumerate(stops) if len(s) > MAX_STOP_CHARS]
-        if long:
-            raise ValueError(f"stop strings are at most {MAX_STOP_CHARS} characters; stop[{long[0]}] has "
-                             f"{len(stops[long[0]])}")
-        return stop
-
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=max(0, self.top_k), stop=tuple(stop), seed=self.seed, ignore_eos=self.ignore_eos)
-
-
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] = Field(..., description="text (continued as is, no chat template) or token ids")
-    max_tokens: int = Field(16, ge=1, description="tokens to generate at most")
-
-    @field_validator("prompt")
-    @classmethod
-    def _not_empty(cls, prompt: str | list[int]) -> str | list[int]:
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        return prompt
-
-
-class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant"]
-    content: str
-
-
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = Field(
-        None, ge=1, description=f"tokens to generate at most (default {DEFAULT_CHAT_MAX_TOKENS})")
-    max_completion_tokens: int | None = Field(None, ge=1, description="the same, newer name; wins over max_tokens")
+# -- errors ------------------------------------------------------------------------------
 
 
 class APIError(Exception):
@@ -154,6 +98,10 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         field = ".".join(loc) or "body"
         if err["type"] == "extra_forbidden":
             message = "unknown field; this server does not implement it"
+        elif err["type"] == "json_invalid":
+            field = "body"
+            message = (f"not valid JSON: {err.get('ctx', {}).get('error', 'decode error')} at character "
+                       f"{loc[0] if loc else '?'}")
         elif err["type"] == "model_attributes_type" and field == "body":
             message = "the body must be a JSON object, sent with 'Content-Type: application/json'"
         elif err["type"] == "missing":
@@ -162,8 +110,25 @@ def _validation_error(exc: RequestValidationError) -> APIError:
             got = repr(err.get("input"))
             message = f"{err['msg'].removeprefix('Value error, ')} (got {got if len(got) <= 80 else got[:77] + '...'})"
         lines.append(f"{field}: {message}")
-        params.append(loc[0] if loc else None)
+        params.append(loc[0] if loc and err["type"] != "json_invalid" else None)
     return APIError(400, "; ".join(lines), param=params[0] if params else None)
+
+
+def _http_error(exc: HTTPException) -> APIError:
+    """Starlette's and FastAPI's own errors in OpenAI's shape: a body that could not be parsed (not
+    UTF-8, JSON nested past the parser's depth) says why; an unknown route or method is a 404 / 405."""
+    cause = exc.__cause__
+    if isinstance(cause, UnicodeDecodeError):
+        return APIError(400, f"the body is not valid UTF-8 (byte {cause.start} is {cause.object[cause.start]:#04x}); "
+                             "send UTF-8 JSON", code="invalid_body")
+    if isinstance(cause, RecursionError):
+        return APIError(400, "the body's JSON is nested deeper than this server parses; send a flatter body",
+                        code="invalid_body")
+    if exc.status_code == 400:
+        return APIError(400, f"the body could not be parsed ({type(cause).__name__ if cause else exc.detail}); "
+                             "send a JSON object with 'Content-Type: application/json'", code="invalid_body")
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return APIError(exc.status_code, str(exc.detail), type=kind, headers=getattr(exc, "headers", None))
 
 
 # -- responses ---------------------------------------------------------------------------
@@ -178,39 +143,72 @@ def _usage(handle: RequestHandle, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}
 
 
+async def _client_gone(raw: Request) -> None:
+    """Returns once the client disconnected (the body has been read: what comes next is the end)."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
 class _Responder:
-    """Builds the completion or chat body and stream chunks for one request."""
+    """Builds the completion or chat body and stream chunks for one request; ``token_text(id)``
+    spells a token in logprobs."""
 
-    def __init__(self, chat: bool, model: str, handle: RequestHandle,
+    def __init__(self, chat: bool, model: str, handle: RequestHandle, token_text: Callable[[int], str],
                  on_finish: Callable[[_Responder, GenerationOutput], None] | None = None):
         self.chat, self.model, self.handle, self.on_finish = chat, model, handle, on_finish
+        self.token_text = token_text
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
         self.created = int(time.time())
+        self.text_offset = 0  # completions' logprobs: characters of the tokens spelled so far
 
     def _envelope(self, object: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": object, "created": self.created, "model": self.model,
                 "system_fingerprint": _fingerprint(self.handle.drafter_version), "choices": choices}
 
-    def body(self, out: GenerationOutput) -> dict:
+    def logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
+        """OpenAI's ``logprobs`` of ``entries``: chat's ``{"content": [...]}``, completions' token lists."""
+        if entries is None:
+            return None
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
+            def one(token_id: int, logprob: float) -> dict:
+                text = self.token_text(token_id)
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+            return {"content": [one(e.token_id, e.logprob) | {"top_logprobs": [one(i, lp) for i, lp in e.top]}
+                                for e in entries], "refusal": None}
+        tokens = [self.token_text(e.token_id) for e in entries]
+        offsets = []
+        for text in tokens:
+            offsets.append(self.text_offset)
+            self.text_offset += len(text)
+        top = [{tok: e.logprob} | {self.token_text(i): lp for i, lp in e.top} for tok, e in zip(tokens, entries)]
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": top,
+                "text_offset": offsets}
+
+    def body(self, out: GenerationOutput) -> dict:
+        logprobs = self.logprobs(out.logprobs)
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
                       "finish_reason": out.finish_reason}
         else:
-            choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+            choice = {"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
         body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
         return body | {"usage": _usage(self.handle, len(out.token_ids))}
 
-    def chunk(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+    def chunk(self, text: str | None, finish_reason: str | None, role: bool = False,
+              logprobs: list[TokenLogprob] | None = None) -> dict:
+        choice = {"index": 0}
         if self.chat:
-            delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
-            return self._envelope(self.chunk_object, [{"index": 0, "delta": delta, "finish_reason": finish_reason}])
-        return self._envelope(self.chunk_object, [{"index": 0, "text": text or "", "logprobs": None,
-                                                   "finish_reason": finish_reason}])
+            choice["delta"] = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
+        else:
+            choice["text"] = text or ""
+        if logprobs or not self.chat:
+            choice["logprobs"] = self.logprobs(logprobs) if logprobs else None
+        return self._envelope(self.chunk_object, [choice | {"finish_reason": finish_reason}])
 
     async def stream(self, include_usage: bool) -> AsyncIterator[str]:
         tokens = 0
@@ -239,9 +237,11 @@ class _Responder:
             self.on_finish(self, out)
 
     def _delta_chunks(self, delta: StreamDelta) -> list[dict]:
+        """The chunks of one delta: its text with its tokens' logprobs (held-back text may leave a
+        chunk of logprobs alone), then the finish reason."""
         chunks = []
-        if delta.text:
-            chunks.append(self.chunk(delta.text, None))
+        if delta.text or delta.logprobs:
+            chunks.append(self.chunk(delta.text, None, logprobs=delta.logprobs))
         if delta.finish_reason is not None:
             chunks.append(self.chunk(None if self.chat else "", delta.finish_reason))
         return chunks
@@ -250,12 +250,16 @@ class _Responder:
 # -- the app -----------------------------------------------------------------------------
 
 
-def _prometheus(stats: dict, model: str, recording: dict | None = None) -> str:
+def _prometheus(stats: dict, model: str, recording: dict | None = None, replica: str | None = None) -> str:
+    """The replica's stats as Prometheus text, each sample labelled with the model and the replica
+    (a scrape reaches whichever replica Serve routes it to; Ray's own endpoint has every replica's:
+    actors/serve.py ``ReplicaMetrics``)."""
     lines = []
+    base = f'model="{model}"' + (f',replica="{replica}"' if replica else "")
 
     def metric(name: str, kind: str, help: str, samples: list[tuple[str, float]]) -> None:
         lines.extend([f"# HELP specray_{name} {help}", f"# TYPE specray_{name} {kind}"])
-        lines.extend(f"specray_{name}{{model=\"{model}\"{labels}}} {value}" for labels, value in samples)
+        lines.extend(f"specray_{name}{{{base}{labels}}} {value}" for labels, value in samples)
 
     metric("tokens_per_second", "gauge", "generated tokens per second of engine steps over the last minute",
            [("", stats["tokens_per_second"])])
@@ -271,6 +275,9 @@ def _prometheus(stats: dict, model: str, recording: dict | None = None) -> str:
     if stats["tau"] is not None:
         metric("tau", "gauge", "mean tokens per round of the active drafter (accepted drafts + 1)",
                [("", stats["tau"])])
+    metric("version_tau", "gauge", "mean tokens per round of each drafter version this replica served",
+           [(f',version="{v["version"] if v["version"] is not None else "ar"}"', v["tau"])
+            for v in stats.get("versions", []) if v["tau"] is not None])
     metric("acceptance_rate", "gauge", "fraction of rounds whose draft at this position was accepted",
            [(f",position=\"{j + 1}\"", a) for j, a in enumerate(stats["acceptance_by_position"])])
     sizes: dict[int, int] = {}
@@ -298,6 +305,7 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, limits: H
     added to /metrics only (its hot-load state may name paths and errors); ``recorder`` records
     the requests that finish normally."""
     limits = limits or HttpLimits()
+    api_key = normalize_api_key(api_key)  # at start-up, not at the first request
     docs = {"docs_url": "/docs", "redoc_url": "/redoc", "openapi_url": "/openapi.json"} if limits.docs else {
         "docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="specray", description="OpenAI-compatible speculative decoding server", **docs)
@@ -306,6 +314,7 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, limits: H
     info = replica_info or dict
     app.add_exception_handler(APIError, lambda request, exc: exc.response())
     app.add_exception_handler(RequestValidationError, lambda request, exc: _validation_error(exc).response())
+    app.add_exception_handler(HTTPException, lambda request, exc: _http_error(exc).response())
     app.add_exception_handler(Exception, lambda request, exc: APIError(
         500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error").response())
 
@@ -347,36 +356,45 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, limits: H
                 recorder.offer(completion_record(text, out.text, **fields))
         return offer
 
-    async def answer(chat: bool, request: _SamplingFields, handle: RequestHandle, prompt):
-        responder = _Responder(chat, model_name, handle, on_finish=record(prompt))
-        if request.stream:
+    def token_text(token_id: int) -> str:
+        return engine.decode([token_id])
+
+    async def answer(chat: bool, request: _SamplingFields, handle: RequestHandle, prompt, raw: Request):
+        responder = _Responder(chat, model_name, handle, token_text, on_finish=record(prompt))
+        if request.stream:  # StreamingResponse ends the stream (and so the request) when the client goes
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return StreamingResponse(responder.stream(include_usage), media_type="text/event-stream")
-        try:
-            out = await handle.aresult()
+        result, gone = asyncio.ensure_future(handle.aresult()), asyncio.ensure_future(_client_gone(raw))
+        try:  # a server that does not cancel the handler on a disconnect (plain uvicorn) still frees the slot
+            await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not result.done():
+                return error_response(499, "the client closed the connection", type="invalid_request_error",
+                                      code="client_disconnected")
+            out = result.result()
             responder.finished(out)
             return responder.body(out)
         finally:
-            if not handle.done:  # cancelled: the client went away
+            gone.cancel()
+            result.cancel()
+            if not handle.done:  # the client went away, or the handler was cancelled
                 handle.abort()
 
     @app.post("/v1/completions")
-    async def completions(request: CompletionRequest):
+    async def completions(request: CompletionRequest, raw: Request):
         check_model(request.model)
         if isinstance(request.prompt, str):
             check_prompt_bytes([request.prompt], "prompt")
         prompt = engine.tokenize(request.prompt) if isinstance(request.prompt, str) else request.prompt
-        handle = submit(prompt, request, request.max_tokens)
-        return await answer(False, request, handle, request.prompt)
+        handle = submit(prompt, request, request.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS)
+        return await answer(False, request, handle, request.prompt, raw)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest):
+    async def chat_completions(request: ChatCompletionRequest, raw: Request):
         check_model(request.model)
-        check_prompt_bytes([m.content for m in request.messages], "messages")
-        max_tokens = request.max_completion_tokens or request.max_tokens or DEFAULT_CHAT_MAX_TOKENS
-        messages = [m.model_dump() for m in request.messages]
-        handle = submit(messages, request, max_tokens)
-        return await answer(True, request, handle, messages)
+        check_prompt_bytes([m.text for m in request.messages], "messages")
+        messages = [m.for_template() for m in request.messages]
+        handle = submit(messages, request, request.max_new_tokens)
+        return await answer(True, request, handle, messages, raw)
 
     @app.get("/v1/models")
     async def models():
@@ -392,7 +410,8 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, limits: H
         stats = engine.stats()
         recording = recorder.stats() if recorder is not None else None
         if format == "prometheus":
-            return PlainTextResponse(_prometheus(stats, model_name, recording), media_type="text/plain; version=0.0.4")
+            return PlainTextResponse(_prometheus(stats, model_name, recording, replica_id),
+                                     media_type="text/plain; version=0.0.4")
         return {"model": model_name, "replica": replica_id} | stats | info() | {"recording": recording}
 
     return app

@@ -1,6 +1,6 @@
 """Requests as the engine keeps them and as callers see them: prompt encoding and checks,
-``RequestHandle`` (stream, result, abort), ``StreamDelta``, ``GenerationOutput``, and stop
-handling (``Request.append``).
+``RequestHandle`` (stream, result, abort), ``StreamDelta``, ``GenerationOutput``, stop
+handling (``Request.append``) and per-token logprobs (``TokenLogprob``).
 
 Stops — EOS, ``stop_token_ids``, ``stop`` strings, ``max_tokens`` — cut the output at the exact
 token even inside an accepted block; later tokens of that block are discarded. A stop string is
@@ -26,6 +26,28 @@ if TYPE_CHECKING:
 
 Decode = Callable[[list[int]], str]  # token ids -> text (special tokens kept)
 STOP_WINDOW = 64  # tokens decoded at least to look for a stop string after each new token
+MIN_LOGPROB = -9999.0  # a token the target gives no mass (JSON has no -inf), as OpenAI reports it
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An output token's log-probability under the target's raw distribution (its logits' log
+    softmax: before temperature, top-k and top-p) at the position it was emitted, and the
+    ``top`` most likely tokens there, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob)
+
+
+def token_logprobs(rows: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """``TokenLogprob`` of ``tokens[i]`` in target logits ``rows[i]`` ([len(tokens), V])."""
+    logp = rows[: len(tokens)].float().log_softmax(-1).clamp(min=MIN_LOGPROB)  # [n, V]
+    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
+    if not top:
+        return [TokenLogprob(t, lp) for t, lp in zip(tokens, chosen)]
+    values, ids = logp.topk(top, dim=-1)
+    return [TokenLogprob(t, lp, tuple(zip(i, v))) for t, lp, i, v in zip(tokens, chosen, ids.tolist(), values.tolist())]
 
 
 @dataclass
@@ -38,6 +60,7 @@ class GenerationOutput:
     emitted_per_round: list[int] = field(default_factory=list)  # r + 1 per round, up to a stop (see Request.append)
     seconds: float = 0.0
     drafter_version: int | None = None  # the version that served it (None = autoregressive)
+    logprobs: list[TokenLogprob] | None = None  # [len(token_ids)] when the request asked for them
 
     @property
     def tau(self) -> float:
@@ -50,6 +73,7 @@ class StreamDelta:
     token_ids: list[int]  # tokens new since the previous delta
     text: str  # text new since the previous delta
     finish_reason: str | None = None  # set on a request's last delta: "stop", "length" or "abort"
+    logprobs: list[TokenLogprob] | None = None  # [len(token_ids)] when the request asked for them
 
 
 def cut_at_stop(text: str, stops: tuple[str, ...]) -> str:
@@ -130,6 +154,7 @@ class RequestHandle:
         self._decode, self._abort = decode, abort
         self._cond = threading.Condition()
         self._tokens: list[int] = []  # emitted so far
+        self._logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []  # [len(_tokens)]
         self._output: GenerationOutput | None = None
         self._error: BaseException | None = None
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
@@ -145,14 +170,16 @@ class RequestHandle:
         """The delta after what a reader has seen, and its new text length; None if nothing is new."""
         with self._cond:
             tokens, output, error = list(self._tokens), self._output, self._error
+            logprobs = None if self._logprobs is None else self._logprobs[seen_tokens:]
         if output is not None:
-            return StreamDelta(tokens[seen_tokens:], output.text[seen_text:], output.finish_reason), len(output.text)
+            return (StreamDelta(tokens[seen_tokens:], output.text[seen_text:], output.finish_reason, logprobs),
+                    len(output.text))
         if len(tokens) == seen_tokens:
             if error is not None:
                 raise error
             return None
         text = streamable_text(self._decode, tokens, self.params.stop)
-        return StreamDelta(tokens[seen_tokens:], text[seen_text:]), max(seen_text, len(text))
+        return StreamDelta(tokens[seen_tokens:], text[seen_text:], None, logprobs), max(seen_text, len(text))
 
     def __iter__(self) -> Iterator[StreamDelta]:
         seen_tokens = seen_text = 0
@@ -199,10 +226,13 @@ class RequestHandle:
             pass
         return self._output
 
-    def _push(self, tokens: list[int], output: GenerationOutput | None = None, error: BaseException | None = None):
-        """The engine side: append tokens, and finish with an output or an error."""
+    def _push(self, tokens: list[int], output: GenerationOutput | None = None, error: BaseException | None = None,
+              logprobs: list[TokenLogprob] | None = None):
+        """The engine side: append tokens (and their logprobs), and finish with an output or an error."""
         with self._cond:
             self._tokens.extend(tokens)
+            if self._logprobs is not None:
+                self._logprobs.extend(logprobs or [])
             self._output, self._error = output, error
             self._cond.notify_all()
             waiters = list(self._waiters)
@@ -230,6 +260,16 @@ class Request:
     sent_tokens: int = 0  # tokens already pushed to the handle
     start: float = 0.0  # perf_counter at admission
     seconds: float = 0.0  # admission to finish
+    logprobs: list[TokenLogprob] | None = None  # [len(tokens)] when params.logprobs is set
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None:
+            self.logprobs = []
+
+    def record_logprobs(self, rows: torch.Tensor, first: int) -> None:
+        """The logprobs of ``tokens[first:]``, drawn from target logits ``rows`` ([n, V], one row each)."""
+        if self.logprobs is not None and len(self.tokens) > first:
+            self.logprobs += token_logprobs(rows, self.tokens[first:], self.params.logprobs)
 
     def append(self, tokens: list[int], eos_ids: set[int], decode: Decode) -> int:
         """Append ``tokens`` up to the first stop (the last appended token is the next anchor).
@@ -255,4 +295,4 @@ class Request:
     def output(self, decode: Decode) -> GenerationOutput:
         text = cut_at_stop(decode(self.tokens), self.params.stop)
         return GenerationOutput(self.prompt_ids, self.tokens, text, self.finish_reason, len(self.emitted),
-                                self.emitted, self.seconds, self.version.version)
+                                self.emitted, self.seconds, self.version.version, self.logprobs)

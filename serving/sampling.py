@@ -20,6 +20,7 @@ import torch
 MIN_TEMPERATURE = 1e-2  # below it logits / temperature overflows float32 or rounds to greedy
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_LOGPROBS = 20  # most likely alternatives reported per token, at most
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -37,6 +38,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None  # the same tokens under fixed rounds (AR, speculation "static"); else the same distribution
+    logprobs: int | None = None  # per output token its target log-probability and this many alternatives (None: off)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -53,6 +55,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be 0 … {MAX_LOGPROBS} alternatives per token (or None: off), "
+                             f"got {self.logprobs}")
         self._check_stop()
 
     def _check_stop(self) -> None:

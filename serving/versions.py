@@ -164,7 +164,9 @@ class DrafterVersions:
 
     def load(self, drafter_dir: str | Path, version: int) -> Future:
         """Validate and build ``version`` in a background thread; ``activate_staged`` activates it.
-        The future resolves to ``version`` once it is ready, or raises why it was rejected."""
+        The future resolves to ``version`` once it is ready, or raises why it was rejected.
+        ``future.cancel()`` while it builds (a caller that stopped waiting) drops the result: a
+        cancelled version is never staged."""
         future: Future = Future()
         threading.Thread(target=self._load, args=(str(drafter_dir), version, future), daemon=True,
                          name=f"specray-load-v{version}").start()
@@ -177,9 +179,13 @@ class DrafterVersions:
             log.warning("drafter version %s rejected: %s", version, e)
             with self._lock:
                 self.rejected[version] = f"{type(e).__name__}: {e}"
-            future.set_exception(e)
+            if future.set_running_or_notify_cancel():
+                future.set_exception(e)
             return
         with self._lock:
+            if not future.set_running_or_notify_cancel():  # cancelled while it built: never activated
+                log.warning("drafter version %s was built after its loader stopped waiting; dropped", version)
+                return
             self.staged.append(staged)
             self._notify()
         future.set_result(version)

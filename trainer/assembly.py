@@ -1,16 +1,24 @@
 """Assembling a training run: what one rank trains, built the same way for every driver.
 
-``specray train`` (``pipeline/jobs/train.py``) and the Ray trainer gang (``actors/trainer.py``)
-hand this module a ``TrainSpec`` — plain values and the validated ``drafter`` / ``objective``
-sections, no pipeline config — and get the same target, drafter, strategy and ``TrainerCore``
-back (``build_rank``); the one-accelerator path (``pipeline/jobs/onegpu.py``) builds its drafters
-with the same ``fresh_drafter``. The algorithm comes from the registries
+``specray train`` (``pipeline/jobs/train.py``, one process or DDP ranks) and the Ray trainer gang
+(``actors/trainer.py``) hand this module a ``TrainSpec`` — plain values and the validated
+``drafter`` / ``objective`` sections, no pipeline config — and get the same target heads, drafter,
+strategy and ``TrainerCore`` back (``build_rank``), on the rank's device. The algorithm comes from the registries
 (``specray.drafters.DRAFTERS``, ``specray.trainer.strategies.STRATEGIES``): the drafter section
 derives its model config (``drafter_config``), the strategy builds the model.
 
+What a rank loads (DESIGN.md §7a): the target's embedding, final norm and LM head, read from its
+safetensors by tensor name (``load_target(weights="heads")``), never its decoder layers; the
+drafter is built on the CPU from the seed (the same weights on every device), then moved with its
+optimizer state to the rank's device (``spec.device``: ``auto | cpu | cuda``, ``capture/devices.py``),
+where the batches are copied (``TrainerCore``). Under bf16 precision the heads are read in the
+target's dtype, else in float32. Rank 0's live evaluation runs the serving engine, which reads
+the whole target: it is loaded on that device at the first checkpoint (``whole_target_hook``).
+
 Also here: the checks that features fit the drafter (``check_capture_fits``), the draft
 vocabulary counted once from the training manifest or ``drafter.draft_vocab_from``
-(``prepare_draft_vocab``) and starting from an export (``drafter.init_from``).
+(``prepare_draft_vocab``) and starting from an export (``drafter.init_from``; a peer drafter's
+directory is imported first, ``drafters/peer_import.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import torch
 from torch import nn
 
 from specray.capture.contract import CaptureContract, ContractMismatchError, build_contract
+from specray.capture.devices import dtype_name, resolve_device, resolve_dtype, resolve_precision, visible_gpus
 from specray.capture.store import Manifest, open_store, read_manifest
 from specray.capture.target import Target, apply_chat_format, load_target, resolve_target_dir
 from specray.drafters.common import DrafterSectionBase
@@ -31,6 +40,7 @@ from specray.trainer.core import OptimSettings, TrainerCore
 from specray.trainer.loader import FeatureLoader
 from specray.trainer.loop import CheckpointHook, Trainer, TrainRun
 from specray.trainer.strategies import get_strategy
+from specray.trainer.tracking import Tracker, TrackingSettings, open_tracker
 from specray.trainer.vocab import (RENDER_MAX_LENGTH, DraftVocabulary, dataset_vocabulary, draft_vocabulary,
                                    is_dataset_spec)
 
@@ -42,8 +52,7 @@ class TrainSpec:
     name: str  # the run's name (provenance; the gang's Ray Train run name)
     run_dir: str  # absolute: checkpoints, metrics.jsonl, draft_vocab.json
     target: str  # embedded:<name>, debug[:seed] or a local HF directory
-    target_dtype: str
-    target_device: str
+    target_dtype: str  # auto | float32 | bfloat16 | float16 (capture/devices.py)
     drafter: DrafterSectionBase  # the algorithm's drafter section (drafters/<algorithm>.py)
     objective: Any  # the algorithm's strategy objective (trainer/strategies/<algorithm>.py)
     optim: OptimSettings
@@ -60,10 +69,18 @@ class TrainSpec:
     live_eval: Any = None  # serving/live_eval.py LiveEvalSettings: measured at each checkpoint (None = off)
     # the chat template the features were rendered with (a manifest's ``chat_template``; None = the tokenizer's)
     chat_template: str | None = None
+    device: str = "auto"  # auto | cpu | cuda: where a rank trains (a driver may pass a concrete device to build_rank)
+    precision: str = "auto"  # auto | fp32 | bf16: the drafter's compute (auto = bf16 on CUDA)
+    device_field: str = "train.device"  # the config field ``device`` came from (errors name it)
+    tracking: TrackingSettings | None = None  # trainer/tracking.py: rank 0 logs every metrics record (None = off)
 
     @property
     def algorithm(self) -> str:
         return self.drafter.algorithm
+
+    @property
+    def precision_field(self) -> str:
+        return self.device_field.rpartition(".")[0] + ".precision"
 
 
 def check_capture_fits(drafter_algorithm: str, capture_algorithm: str, *, field: str, where: str = "",
@@ -96,16 +113,22 @@ class RankParts:
     core: TrainerCore
     expected: CaptureContract  # the contract this drafter trains on: the target's, at the captured layers
     extra: dict  # carried by every checkpoint for export: algorithm, drafter config, contract, provenance
-    target: Target  # the frozen target the drafter reads (a checkpoint hook may serve it)
+    target: Target  # the target's heads the drafter reads (weights="heads"), on the rank's device
+    device: torch.device  # where the drafter, its optimizer state and its batches live
 
 
 def _keeps_export_vocab(drafter: DrafterSectionBase) -> bool:
-    """True when ``drafter.init_from`` supplies the draft vocabulary (an export with one of the same size)."""
+    """True when ``drafter.init_from`` supplies the draft vocabulary (an export, or a peer drafter
+    directory, with one of the same size)."""
     from specray.drafters.format import read_drafter_config
+    from specray.drafters.peer_import import is_peer_directory, peer_summary
 
     if not drafter.init_from:
         return False
-    size = read_drafter_config(drafter.init_from)["architecture"].get("draft_vocab_size")
+    if is_peer_directory(drafter.init_from):
+        size = peer_summary(drafter.init_from)["draft_vocab_size"]
+    else:
+        size = read_drafter_config(drafter.init_from)["architecture"].get("draft_vocab_size")
     return size is not None and size == drafter.draft_vocab_size
 
 
@@ -133,8 +156,9 @@ def _init_from_export(model: nn.Module, model_cfg, export_dir: str, target: Targ
                           template_fingerprint=target.template_fingerprint, contract=expected)
     have, want = source.config.to_dict(), model_cfg.to_dict()
     keys = set(have) if warm else set(have) | set(want)
+    not_architecture = {"draft_vocab_size", "mask_token_origin"}  # a head restriction; how the MASK id was chosen
     diffs = ", ".join(f"{k}: export {have.get(k)!r} vs config {want.get(k)!r}"
-                      for k in sorted(keys) if have.get(k) != want.get(k) and k != "draft_vocab_size")
+                      for k in sorted(keys) if have.get(k) != want.get(k) and k not in not_architecture)
     if diffs:
         raise ValueError(f"drafter.init_from={export_dir} has another architecture ({diffs}); set the drafter "
                          "section to match the export")
@@ -220,20 +244,47 @@ def fresh_drafter(model_cfg, strategy, target: Target, *, seed: int) -> nn.Modul
                                 lm_head=target.model.lm_head, final_norm=target.model.model.norm)
 
 
+def rank_device(spec: TrainSpec, *, rank: int = 0, world_size: int = 1, gpus: int | None = None) -> torch.device:
+    """The device ``spec.device`` means for rank ``rank`` of ``world_size`` in this process (``gpus``:
+    what Ray granted it, None: what torch sees): DDP ranks on one machine take one GPU each."""
+    device = resolve_device(spec.device, field=spec.device_field, gpus=gpus)
+    if device.type == "cuda" and device.index is None and world_size > 1:
+        seen = visible_gpus()
+        if world_size > seen:
+            raise ValueError(f"{world_size} DDP ranks on CUDA need a GPU each, and this machine has {seen}: lower "
+                             f"the world size to {seen} or set {spec.device_field}=cpu")
+        device = torch.device("cuda", rank)
+    return device
+
+
+def heads_dtype(spec: TrainSpec, device: torch.device) -> str:
+    """The dtype a rank reads the target's heads in: the target's under bf16 autocast, else float32
+    (an fp32 drafter's activations meet them unconverted)."""
+    bf16 = resolve_precision(spec.precision, device, field=spec.precision_field)
+    return dtype_name(resolve_dtype(spec.target_dtype, device)) if bf16 else "float32"
+
+
 def build_rank(spec: TrainSpec, contract: CaptureContract, *, rank: int = 0, world_size: int = 1,
-               provenance: dict | None = None, draft_vocab: DraftVocabulary | None = None) -> RankParts:
-    """Target, drafter and TrainerCore of one rank, for features captured under ``contract``.
+               provenance: dict | None = None, draft_vocab: DraftVocabulary | None = None,
+               device: torch.device | None = None) -> RankParts:
+    """Target heads, drafter and TrainerCore of one rank, for features captured under ``contract``,
+    on ``device`` (None: ``rank_device(spec, rank=, world_size=)``).
 
     With ``drafter.draft_vocab_size`` the vocabulary comes from ``drafter.init_from`` or from
     ``draft_vocab`` (``prepare_draft_vocab``)."""
+    device = rank_device(spec, rank=rank, world_size=world_size) if device is None else torch.device(device)
+    optim = replace(spec.optim, bf16=resolve_precision(spec.precision, device, field=spec.precision_field))
     strategy = get_strategy(spec.algorithm)(spec.objective, seed=spec.seed)
-    target = load_target(spec.target, dtype=spec.target_dtype, device=spec.target_device,
+    target = load_target(spec.target, dtype=heads_dtype(spec, device), device=device, weights="heads",
                          chat_template=spec.chat_template)
     expected = expected_contract(spec.algorithm, target, contract)
     model_cfg = spec.drafter.drafter_config(target, expected.layer_ids)
     model = fresh_drafter(model_cfg, strategy, target, seed=spec.seed)
-    if spec.drafter.init_from:
-        _init_from_export(model, model_cfg, spec.drafter.init_from, target, contract)
+    if spec.drafter.init_from:  # a peer drafter directory (speculators, SGLang, z-lab) is imported first
+        from specray.drafters.peer_import import as_export
+
+        source = as_export(spec.drafter.init_from, target, capture_dtype=contract.dtype)
+        _init_from_export(model, model_cfg, str(source), target, contract)
     if model_cfg.draft_vocab_size is not None and not _keeps_export_vocab(spec.drafter):
         if draft_vocab is None:
             raise ValueError("drafter.draft_vocab_size is counted from drafter.draft_vocab_from or a training manifest "
@@ -241,7 +292,7 @@ def build_rank(spec: TrainSpec, contract: CaptureContract, *, rank: int = 0, wor
                              "drafter.draft_vocab_from=<a manifest, sharegpt, jsonl:PATH or records:URI>, "
                              "drafter.init_from=<an export with a draft vocabulary> or drafter.draft_vocab_size=null")
         model.set_draft_vocab(torch.tensor(draft_vocab.token_ids))
-    core = TrainerCore(model, strategy, model_cfg, spec.optim, rank=rank, world_size=world_size)
+    core = TrainerCore(model.to(device), strategy, model_cfg, optim, rank=rank, world_size=world_size)
     vocab = {} if draft_vocab is None else {"draft_vocab": {
         "size": len(draft_vocab.token_ids), "coverage": draft_vocab.coverage, "source": draft_vocab.source}}
     extra = {
@@ -249,25 +300,50 @@ def build_rank(spec: TrainSpec, contract: CaptureContract, *, rank: int = 0, wor
         "drafter_config": model_cfg.to_dict(),
         "contract": json.loads(contract.to_json()),
         "provenance": {"run": spec.name, "run_dir": spec.run_dir, "target": spec.target, "world_size": world_size,
-                       "config": spec.config, **(provenance or {}), **vocab,
+                       "config": spec.config, "device": str(device), "bf16": optim.bf16, **(provenance or {}), **vocab,
                        **({"chat_template": spec.chat_template} if spec.chat_template is not None else {})},
     }
-    return RankParts(core, expected, extra, target)
+    return RankParts(core, expected, extra, target, device)
+
+
+def whole_target_hook(spec: TrainSpec, factory: Callable[[Target], CheckpointHook] | None,
+                      device: torch.device) -> CheckpointHook | None:
+    """Rank 0's checkpoint hook ``factory(target)`` on the whole target, which is loaded on ``device``
+    (in ``spec.target_dtype``) at the first checkpoint: a run that never checkpoints reads only the heads."""
+    if factory is None:
+        return None
+    made: list[CheckpointHook] = []
+
+    def hook(run: TrainRun) -> dict:
+        if not made:
+            made.append(factory(load_target(spec.target, dtype=spec.target_dtype, device=device,
+                                            chat_template=spec.chat_template)))
+        return made[0](run)
+
+    return hook
 
 
 def feature_loader(spec: TrainSpec, manifest: Manifest, store, expected: CaptureContract, *, rank: int = 0,
-                   world_size: int = 1) -> FeatureLoader:
-    """This rank's slice of a manifest, checked against the contract the drafter trains on."""
+                   world_size: int = 1, device: torch.device | None = None) -> FeatureLoader:
+    """This rank's slice of a manifest, checked against the contract the drafter trains on (batches
+    in pinned memory for a CUDA ``device``: the core copies them without blocking)."""
     return FeatureLoader(manifest, store, micro_batch_size=spec.micro_batch_size, seed=spec.seed, rank=rank,
                          world_size=world_size, accumulation_steps=spec.optim.accumulation_steps, expected=expected,
-                         max_length=spec.max_length)
+                         max_length=spec.max_length, pin_memory=device is not None and device.type == "cuda")
+
+
+def rank_tracker(spec: TrainSpec, rank: int) -> Tracker | None:
+    """Rank 0's experiment tracker of ``spec.tracking`` (None on other ranks or when none is configured)."""
+    if rank != 0:
+        return None
+    return open_tracker(spec.tracking, run_name=spec.name, config=spec.config, run_dir=spec.run_dir)
 
 
 def build_trainer(spec: TrainSpec, *, rank: int = 0, world_size: int = 1,
-                  checkpoint_hook: Callable[[Target], CheckpointHook] | None = None) -> Trainer:
+                  live_eval: Callable[[Target], CheckpointHook] | None = None) -> Trainer:
     """``specray train``'s rank: a ``Trainer`` on the spec's manifest; refuses features of another
-    algorithm before anything is built. ``checkpoint_hook(target)`` builds rank 0's checkpoint hook
-    (the driver's live evaluation) on the rank's target."""
+    algorithm before anything is built. ``live_eval(target)`` builds rank 0's checkpoint hook (the
+    driver's live evaluation) on the whole target (``whole_target_hook``)."""
     if spec.manifest is None:
         raise ValueError("data.manifest is required to train from a manifest; online training reads a "
                          "SampleBroker instead (actors/trainer.py run_trainer_gang)")
@@ -278,8 +354,10 @@ def build_trainer(spec: TrainSpec, *, rank: int = 0, world_size: int = 1,
     parts = build_rank(spec, manifest.contract, rank=rank, world_size=world_size,
                        provenance={"manifest": spec.manifest, "samples": len(manifest.refs)},
                        draft_vocab=prepare_draft_vocab(spec, manifest, store))
-    loader = feature_loader(spec, manifest, store, parts.expected, rank=rank, world_size=world_size)
+    loader = feature_loader(spec, manifest, store, parts.expected, rank=rank, world_size=world_size,
+                            device=parts.device)
     run = TrainRun(parts.core, log_every=spec.log_every, extra=parts.extra)
-    hook = checkpoint_hook(parts.target) if checkpoint_hook is not None and rank == 0 else None
+    hook = whole_target_hook(spec, live_eval, parts.device) if rank == 0 else None
+    run.tracker = rank_tracker(spec, rank)
     return Trainer(run, loader, run_dir=spec.run_dir, total_steps=spec.optim.total_steps,
                    checkpoint_every=spec.checkpoint_every, keep_last=spec.keep_last, on_checkpoint=hook)

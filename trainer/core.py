@@ -2,8 +2,12 @@
 
 AdamW (no weight decay on norms), linear warmup then cosine decay to ``min_lr_ratio × lr``,
 gradient accumulation (DDP ``no_sync`` on every micro-batch but the last), global-norm
-clipping, optional bf16 autocast (on the parameters' device, CPU or CUDA). Works on a bare
-module or under ``torch.distributed`` (gloo on CPU): the same code runs as a Ray Train gang later.
+clipping, optional bf16 autocast. Works on a bare module or under ``torch.distributed`` (gloo on
+the CPU, NCCL on CUDA): the same code runs ``specray train`` and the Ray Train gang.
+
+The device is the model's: its parameters, and so the AdamW state, live there, and each
+micro-batch is copied there at the step (``TrainBatch.to``, ``non_blocking`` from the loader's
+pinned memory on CUDA; on the CPU the batch is used as it is).
 
 The strategy's random anchors come from a generator keyed by (step, global micro-batch index
 ``rank × accumulation + i``), so 1 rank × 2 accumulation steps and 2 ranks × 1 draw the same
@@ -67,8 +71,11 @@ class TrainerCore:
         self.settings = settings
         self.rank, self.world_size = rank, world_size
         self.distributed = world_size > 1
-        self.train_model = DistributedDataParallel(model) if self.distributed else model
         params = [p for p in model.parameters() if p.requires_grad]
+        self.device = params[0].device if params else torch.device("cpu")
+        on_cuda = self.device.type == "cuda"
+        self.train_model = (DistributedDataParallel(model, device_ids=[self.device] if on_cuda else None)
+                            if self.distributed else model)
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
@@ -78,7 +85,6 @@ class TrainerCore:
         # reads self.settings at each step: a time-budgeted run may set total_steps during warmup
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, self.settings))
         self._params = params
-        self._device_type = params[0].device.type if params else "cpu"  # autocast's device ("cpu" or "cuda")
 
     def train_step(self, micro_batches: list[TrainBatch], step: int) -> StepResult:
         accum = self.settings.accumulation_steps
@@ -89,10 +95,11 @@ class TrainerCore:
         sums: dict[str, torch.Tensor] = {}
         total_loss = 0.0
         for i, batch in enumerate(micro_batches):
+            batch = batch.to(self.device, non_blocking=True)
             sync = not self.distributed or i == accum - 1
             with contextlib.nullcontext() if sync else self.train_model.no_sync():
                 start = time.perf_counter()
-                autocast = torch.autocast(self._device_type, dtype=torch.bfloat16, enabled=self.settings.bf16)
+                autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.settings.bf16)
                 with autocast:
                     generator = self.strategy.generator(step, self.rank * accum + i)
                     loss, metric = self.strategy.forward_loss(self.train_model, self.model_config, batch, generator)
@@ -112,7 +119,7 @@ class TrainerCore:
         self.optimizer.zero_grad(set_to_none=True)
         seconds["optimizer"] = time.perf_counter() - start
         if self.distributed:
-            packed = torch.tensor([total_loss], dtype=torch.float64)
+            packed = torch.tensor([total_loss], dtype=torch.float64, device=self.device)  # NCCL reduces CUDA tensors
             dist.all_reduce(packed)
             total_loss = float(packed) / self.world_size
             for value in sums.values():

@@ -3,7 +3,7 @@
 The strategy's metrics per draft position (top-1 accuracy, CE) and ``tau_tf`` — the accepted
 length a draft would get if every token were checked against the data tokens. This is the
 training-side metric; the free-running ``tau`` comes from the serving engine. ``specray
-evaluate`` runs it over a manifest, ``pipeline/jobs/onegpu.py`` over its held-out split.
+evaluate`` runs it over a manifest.
 """
 
 from __future__ import annotations

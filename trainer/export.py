@@ -1,14 +1,18 @@
 """``specray export``: trained weights → an exported drafter directory (drafters/format.py).
 
 One export path for every way of training: ``export_checkpoint`` turns a training checkpoint
-(``specray train``'s or the Ray gang's) into an export; ``pipeline/jobs/onegpu.py`` turns its variant
-files into one through the same ``drafter_from_state`` and ``export_drafter``.
+(``specray train``'s or the Ray gang's, on any device) into an export through ``drafter_from_state``
+and ``export_drafter``.
 
 A checkpoint's ``extra`` holds what the export needs besides weights: the algorithm, the
 drafter config, the capture contract and the run's provenance. No target weights are needed:
 the shared embedding and LM head are stood in for by meta-device modules of the same shape.
 A checkpoint on ``s3://`` (the gang's storage on a cluster) is fetched to a temporary
 directory first (fsspec; endpoint from ``endpoint_url`` or ``$SPECRAY_S3_ENDPOINT``).
+
+``write_peer_format`` writes an export in a peer format (``PEER_FORMATS``: ``speculators`` for
+vLLM, drafters/peer.py; ``sglang``, drafters/sglang.py), naming the verifier the user gives;
+``trainer/hub.py`` pushes either kind to the Hub.
 """
 
 from __future__ import annotations
@@ -101,3 +105,25 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path | None = None,
     provenance = dict(extra["provenance"], step=ckpt.step, tokens_seen=extra.get("tokens_seen"), checkpoint=source,
                       last_metrics=extra.get("last_metrics"))
     return export_drafter(model, out_dir, contract=extra["contract"], provenance=provenance)
+
+
+
+# `specray export --format`: the writer of each peer format, (module, function); each takes
+# (export_dir, out_dir, target=, verifier_name_or_path=) and writes specray_export.json beside the weights
+PEER_FORMATS = {"speculators": ("specray.drafters.peer", "write_peer_export"),
+                "sglang": ("specray.drafters.sglang", "write_sglang_export")}
+
+
+def write_peer_format(fmt: str, export_dir: str | Path, out_dir: str | Path, *, target=None,
+                      verifier: str | None = None) -> tuple[Path, dict]:
+    """Write the export ``export_dir`` in the peer format ``fmt`` (``PEER_FORMATS``) at ``out_dir``;
+    returns the directory and its ``specray_export.json`` record (format, verifier, serve commands)."""
+    import importlib
+    import json
+
+    if fmt not in PEER_FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}; peer formats: {sorted(PEER_FORMATS)}")
+    module, function = PEER_FORMATS[fmt]
+    out = getattr(importlib.import_module(module), function)(export_dir, out_dir, target=target,
+                                                              verifier_name_or_path=verifier)
+    return out, json.loads((out / "specray_export.json").read_text())

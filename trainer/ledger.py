@@ -5,23 +5,30 @@ Online features are consume-once: a blob is deleted after the model has trained 
 ledger is that log: an append-only sequence of transactions in one directory (``file://`` or
 ``s3://``, opened like the feature store), one object per transaction::
 
-    <ledger>/txn-0000000000.json   {"seq": 0, "kind": "attempt", "time": ..., ...}
-    <ledger>/txn-0000000001.json   {"seq": 1, "kind": "dispatched", ...}
+    <ledger>/txn-0000000000.json            {"seq": 0, "kind": "attempt", "time": ..., ...}
+    <ledger>/txn-0000000001.json            {"seq": 1, "kind": "dispatched", ...}
+    <ledger>/snapshot-0000000041.json.gz    the replay state of txns 0-41 (at a checkpoint)
 
 A transaction is written atomically and create-only (file: temp file + fsync + hard link +
 directory fsync; s3: one conditional PUT, ``If-None-Match: *``), so an existing transaction is
 never replaced and of two writers racing for one sequence number exactly one wins; the other
 gets a ``LedgerError``. There is a single writer: rank 0 of the trainer gang (or a driver). A
 file that does not parse, or lacks its kind's fields, is a ``LedgerError`` naming the file; so
-is a gap in the sequence.
+is a gap in the sequence. The writer checks every transaction against its replay state before
+writing it (``LedgerState.apply``), so it never writes one that replay would refuse. When it
+opens the ledger (its first append) it removes the ``.tmp-*`` files of appends a killed writer
+left (file://): with one writer, no other append is in progress then.
 
 Kinds, and the order they are written in per window (``dispatched → trained → checkpointed →
 deleted``):
 
 - ``attempt``: ``attempt`` (int, one per worker-group start), ``parent`` (``{"attempt", "step"}``
-  of the checkpoint it resumed from, or null), ``world_size``, ``quantum`` (Q), ``checkpoint``
-  (location resumed from, or null), ``run`` (the training run that made it, e.g. the Ray
-  Train run directory; several runs may continue one stream).
+  of this ledger's checkpoint it resumed from, or null), ``world_size``, ``quantum`` (Q),
+  ``checkpoint`` (location resumed from, or null), ``run`` (the training run that made it, e.g.
+  the Ray Train run directory; several runs may continue one stream) and ``origin``: null, or
+  ``{"ledger", "attempt", "step", "location"}`` of another ledger's checkpoint whose model starts
+  this stream (provenance: that model's history is the other ledger's; this one's exactly-once
+  covers what the stream trains after it, from the origin's step on).
 - ``dispatched``: ``attempt``, ``step`` (the optimizer step the window feeds, 1-based: the step
   count after it), ``window`` (id), ``refs`` (full SampleRef metadata in window order, so a
   window can be re-dispatched from the ledger alone). Written before any rank trains on it.
@@ -32,14 +39,24 @@ deleted``):
 - ``deleted``: ``windows`` and ``keys`` whose features were removed (only windows covered by a
   checkpoint; deletion is idempotent, so a crash mid-deletion is finished on restart).
 
-Replay answers the questions recovery and audit ask. The *lineage* of the model at a
-checkpoint ``(attempt k, step t)`` is what it was trained on: the ``trained`` txns of attempt
-``k`` up to step ``t``, preceded by the lineage of ``k``'s parent checkpoint, recursively.
-``recovery_plan`` turns a checkpoint into what a resumed run must do: the samples already in
-its history, the refs to re-dispatch (every dispatched sample outside the history, in
-original order, whatever window it was in) and the keys still to delete. ``audit`` checks the
-promise: every source sample trained exactly once in the final model's lineage, none lost,
-no feature of the stream left in the store (other datasets may share its root).
+**Snapshots.** After each ``checkpointed`` txn ``N`` the writer stores its replay state as
+``snapshot-N.json.gz`` (a JSON header with the digests of the state and of txn ``N``, then the
+state, gzip'd; the newest ``KEEP_SNAPSHOTS`` are kept). ``replay`` reads the newest valid
+snapshot and the transactions after it, so a resume reads O(transactions since the last
+checkpoint) objects, not the whole history; the result equals a full replay
+(``replay(full=True)``). A torn or corrupt snapshot, or one that does not match its txn, is
+skipped with a warning (the next older one, else the full replay). The listing still covers
+every transaction: a gap anywhere is an error.
+
+Replay answers the questions recovery and audit ask (``trainer/ledger_state.py``). The
+*lineage* of the model at a checkpoint ``(attempt k, step t)`` is what it was trained on: the
+``trained`` txns of attempt ``k`` up to step ``t``, preceded by the lineage of ``k``'s parent
+checkpoint, recursively. ``recovery_plan`` turns a checkpoint into what a resumed run must do:
+the samples already in its history, the refs to re-dispatch (every dispatched sample outside
+the history, in original order, whatever window it was in) and the keys still to delete.
+``audit`` checks the promise: every source sample trained exactly once in the final model's
+lineage, none lost, no feature of the stream left in the store (other datasets may share its
+root).
 
 Sample ids must be unique within a stream (a new producer pass gets new ids, e.g.
 ``"epoch1/<id>"``): the ledger identifies samples by id.
@@ -47,34 +64,33 @@ Sample ids must be unique within a stream (a new producer pass gets new ids, e.g
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import gzip
+import hashlib
 import json
 import os
 import re
 import uuid
+import warnings
+import zlib
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Iterable
 
 from specray.capture.store import (TMP_MARK, BlobStore, FeatureChecksumError, FeatureNotFoundError, FeatureStore,
-                                   SampleRef, TensorMeta, is_temp_of, open_fs)
+                                   SampleRef, is_temp_of, open_fs)
+from specray.trainer.ledger_state import (TXN_FIELDS, TXN_FILE, LedgerError, LedgerState, Txn,  # noqa: F401 (re-exported)
+                                          ref_from_json, ref_to_json, txn_name)
 
-TXN_FILE = re.compile(r"^txn-(\d{10})\.json$")
-TXN_FIELDS = {
-    "attempt": ("attempt", "parent", "world_size", "quantum", "checkpoint", "run"),
-    "dispatched": ("attempt", "step", "window", "refs"),
-    "trained": ("attempt", "step", "window", "sample_ids"),
-    "checkpointed": ("attempt", "step", "location"),
-    "deleted": ("windows", "keys"),
-}
+SNAPSHOT_FILE = re.compile(r"^snapshot-(\d{10})\.json\.gz$")
+SNAPSHOT_FORMAT = 1
+KEEP_SNAPSHOTS = 2  # the newest and one before it (a torn newest one falls back to it)
+TMP_PREFIX = ".tmp-"  # a file:// append (or snapshot) not yet linked into place
 
 
-class LedgerError(ValueError):
-    """The ledger is torn, has a gap, has a second writer, or contradicts itself."""
-
-
-def _txn_name(seq: int) -> str:
-    return f"txn-{seq:010d}.json"
+def snapshot_name(seq: int) -> str:
+    return f"snapshot-{seq:010d}.json.gz"
 
 
 # A create-only PUT refused: the key exists (412), or another conditional write of it is in progress (409).
@@ -87,21 +103,8 @@ def _s3_error_code(error: OSError) -> str | None:
     return response.get("Error", {}).get("Code")
 
 
-def ref_to_json(ref: SampleRef) -> dict:
-    return asdict(ref)
-
-
-def ref_from_json(data: dict) -> SampleRef:
-    tensors = tuple(TensorMeta(t["name"], tuple(t["shape"]), t["dtype"]) for t in data["tensors"])
-    return SampleRef(data["sample_id"], data["key"], tensors, data["num_tokens"], data["num_bytes"],
-                     data["checksum"], data["contract"])
-
-
-@dataclass(frozen=True)
-class Txn:
-    seq: int
-    kind: str
-    body: dict  # the kind's fields (TXN_FIELDS), plus "time"
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 class Ledger:
@@ -113,34 +116,48 @@ class Ledger:
         self.root = root.rstrip("/")
         if self.protocol == "file":
             self.fs.makedirs(self.root, exist_ok=True)
-        self._next_seq: int | None = None
+        self._state: LedgerState | None = None  # the writer's: every txn through the last one it wrote or read
+        self._snapshots: list[int] = []  # the writer's: seqs of the snapshots on storage
+        self._replayed: LedgerState | None = None  # the last replay's (a writer opened after it starts from it)
 
     def __repr__(self) -> str:
         return f"Ledger({self.uri!r})"
 
     def _path(self, seq: int) -> str:
-        return f"{self.root}/{_txn_name(seq)}"
+        return f"{self.root}/{txn_name(seq)}"
 
-    def _seqs(self) -> list[int]:
-        try:
-            names = [p.rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)]
-        except FileNotFoundError:
-            return []
-        return sorted(int(m.group(1)) for m in map(TXN_FILE.match, names) if m)
+    def _snapshot_path(self, seq: int) -> str:
+        return f"{self.root}/{snapshot_name(seq)}"
 
-    # -- reading ---------------------------------------------------------------------------
-
-    def read(self) -> list[Txn]:
-        """Every transaction in sequence order; raises ``LedgerError`` on a torn file or a gap."""
+    def _names(self) -> list[str]:
         if self.protocol == "s3":
             self.fs.invalidate_cache(self.root)
-        seqs = self._seqs()
+        try:
+            return [p.rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)]
+        except FileNotFoundError:
+            return []
+
+    @staticmethod
+    def _parse(names: list[str]) -> tuple[list[int], list[int]]:
+        """(transaction seqs, snapshot seqs), each sorted."""
+        seqs = sorted(int(m.group(1)) for m in map(TXN_FILE.match, names) if m)
+        snapshots = sorted(int(m.group(1)) for m in map(SNAPSHOT_FILE.match, names) if m)
+        return seqs, snapshots
+
+    def _check_gaps(self, seqs: list[int]) -> None:
         missing = sorted(set(range(len(seqs))) - set(seqs))
         if missing:
             raise LedgerError(
                 f"ledger {self.uri} has no {self._path(missing[0])} but has later transactions: a transaction "
                 "was lost; restore it from a backup (replaying around it would misstate what was trained)"
             )
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def read(self) -> list[Txn]:
+        """Every transaction in sequence order; raises ``LedgerError`` on a torn file or a gap."""
+        seqs, _ = self._parse(self._names())
+        self._check_gaps(seqs)
         return [self._load(seq) for seq in seqs]
 
     def _load(self, seq: int) -> Txn:
@@ -160,39 +177,97 @@ class Ledger:
         body = {k: v for k, v in data.items() if k not in ("seq", "kind")}
         return Txn(seq, data["kind"], body)
 
-    def replay(self) -> "LedgerState":
-        return LedgerState.from_txns(self.read())
+    def replay(self, *, full: bool = False) -> LedgerState:
+        """The replay state: the newest valid snapshot plus the transactions after it (``full``: every txn)."""
+        seqs, snapshots = self._parse(self._names())
+        state = self._replay(seqs, [] if full else snapshots)
+        self._replayed = state.fork()
+        return state
+
+    def _replay(self, seqs: list[int], snapshots: list[int]) -> LedgerState:
+        self._check_gaps(seqs)
+        state = self._newest_snapshot(snapshots, last=seqs[-1] if seqs else -1)
+        start = state.seq + 1 if state is not None else 0
+        return LedgerState.from_txns((self._load(seq) for seq in seqs[start:]), start=state)
+
+    def _newest_snapshot(self, snapshots: list[int], *, last: int) -> LedgerState | None:
+        for seq in reversed(snapshots):
+            state, problem = self._read_snapshot(seq) if seq <= last else (None, f"past the last transaction {last}")
+            if state is not None:
+                return state
+            warnings.warn(f"ledger snapshot {self._snapshot_path(seq)} is skipped: {problem}; replaying the "
+                          "transactions before it from an older snapshot or from the start", stacklevel=3)
+        return None
+
+    def _read_snapshot(self, seq: int) -> tuple[LedgerState | None, str]:
+        """The state snapshot ``seq`` holds, or (None, why it is not valid)."""
+        try:
+            header, _, state = gzip.decompress(self.fs.cat_file(self._snapshot_path(seq))).partition(b"\n")
+            header = json.loads(header)
+        except (OSError, EOFError, zlib.error, ValueError) as e:  # gone (pruned), torn, or not gzip'd JSON
+            return None, f"unreadable ({type(e).__name__}: {e})"
+        if not isinstance(header, dict) or header.get("format") != SNAPSHOT_FORMAT or header.get("seq") != seq:
+            return None, f"not a format-{SNAPSHOT_FORMAT} specray ledger snapshot of seq {seq}"
+        if header.get("state_sha256") != _sha256(state):
+            return None, "corrupt (its state does not match its digest)"
+        if header.get("txn_sha256") != _sha256(self.fs.cat_file(self._path(seq))):
+            return None, f"not a snapshot of this ledger's {txn_name(seq)} (its digest differs)"
+        return LedgerState.from_json(json.loads(state)), ""
 
     def count(self) -> int:
         """How many transactions the ledger holds (without reading them)."""
-        if self.protocol == "s3":
-            self.fs.invalidate_cache(self.root)
-        return len(self._seqs())
+        return len(self._parse(self._names())[0])
 
     # -- writing ---------------------------------------------------------------------------
 
+    def _open_writer(self) -> None:
+        """The writer's start: remove temp files of killed appends, replay (or take the last replay's state)."""
+        names = self._names()
+        if self.protocol == "file":
+            for name in names:
+                if name.startswith(TMP_PREFIX):
+                    with contextlib.suppress(FileNotFoundError):  # not ours to race for: only one writer may run
+                        os.unlink(f"{self.root}/{name}")
+        seqs, self._snapshots = self._parse(names)
+        last = seqs[-1] if seqs else -1
+        replayed, self._replayed = self._replayed, None
+        self._state = replayed if replayed is not None and replayed.seq == last else self._replay(seqs, self._snapshots)
+
     def append(self, kind: str, **fields) -> Txn:
-        """Durably write the next transaction; returns it once it is on storage."""
+        """Durably write the next transaction; returns it once it is on storage.
+
+        Refused with a ``LedgerError`` before anything is written when replay would refuse it.
+        """
         if kind not in TXN_FIELDS:
             raise ValueError(f"unknown ledger transaction kind {kind!r}; use one of {sorted(TXN_FIELDS)}")
         lacking = [name for name in TXN_FIELDS[kind] if name not in fields]
         if lacking:
             raise ValueError(f"a {kind!r} transaction needs {lacking}")
-        if self._next_seq is None:
-            seqs = self._seqs()
-            self._next_seq = seqs[-1] + 1 if seqs else 0
-        seq = self._next_seq
+        if self._state is None:
+            self._open_writer()
+        seq = self._state.seq + 1
         body = dict(fields, time=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"))
         data = json.dumps({"seq": seq, "kind": kind, **body}, sort_keys=True).encode()
-        self._write_new(self._path(seq), data)
-        self._next_seq = seq + 1
-        return Txn(seq, kind, body)
+        txn = Txn(seq, kind, {k: v for k, v in json.loads(data).items() if k not in ("seq", "kind")})  # as read back
+        self._check(txn)
+        try:
+            self._write_new(self._path(seq), data)
+        except BaseException:
+            self._state = None  # it holds the txn that was not written: the next append opens the ledger again
+            raise
+        if kind == "checkpointed":
+            self._write_snapshot(seq, data)
+        return txn
+
+    def _check(self, txn: Txn) -> None:
+        """Apply ``txn`` to the writer's state; raises (nothing applied) when replay would refuse it."""
+        self._state.apply(txn, writing=True)
+
+    def _second_writer(self, path: str) -> LedgerError:
+        return LedgerError(f"ledger transaction {path} already exists: another process writes this ledger; "
+                           "exactly one writer (rank 0 of the gang) may append")
 
     def _write_new(self, path: str, data: bytes) -> None:
-        second_writer = LedgerError(
-            f"ledger transaction {path} already exists: another process writes this ledger; "
-            "exactly one writer (rank 0 of the gang) may append"
-        )
         if self.protocol == "s3":
             # One PUT with If-None-Match: * (readers see all of it or nothing; the store refuses it
             # when the key exists, so of two racing writers exactly one wins).
@@ -200,31 +275,61 @@ class Ledger:
                 self.fs.pipe_file(path, data, mode="create")
             except OSError as e:
                 if isinstance(e, FileExistsError) or _s3_error_code(e) in _S3_EXISTS_CODES:
-                    raise second_writer from None
+                    raise self._second_writer(path) from None
                 raise
             return
-        tmp = f"{self.root}/.tmp-{uuid.uuid4().hex}"
+        tmp = self._write_temp(data)
+        try:
+            os.link(tmp, path)  # unlike rename, fails instead of replacing an existing txn
+        except FileExistsError:
+            raise self._second_writer(path) from None
+        except FileNotFoundError:  # another writer opened the ledger and removed our temp file
+            raise self._second_writer(path) from None
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        self._fsync_root()
+
+    def _write_temp(self, data: bytes) -> str:
+        tmp = f"{self.root}/{TMP_PREFIX}{uuid.uuid4().hex}"
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)  # unlike rename, fails instead of replacing an existing txn
-        except FileExistsError:
-            raise second_writer from None
-        finally:
-            os.unlink(tmp)
+        return tmp
+
+    def _fsync_root(self) -> None:
         fd = os.open(self.root, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
 
+    def _write_snapshot(self, seq: int, txn_data: bytes) -> None:
+        """Store the writer's state through txn ``seq`` (just written), then prune older snapshots."""
+        state = json.dumps(self._state.to_json(), sort_keys=True, separators=(",", ":")).encode()
+        header = {"format": SNAPSHOT_FORMAT, "seq": seq, "state_sha256": _sha256(state), "txn_sha256": _sha256(txn_data)}
+        data = gzip.compress(json.dumps(header, sort_keys=True).encode() + b"\n" + state, compresslevel=6, mtime=0)
+        path = self._snapshot_path(seq)
+        if self.protocol == "s3":
+            self.fs.pipe_file(path, data)  # one PUT: readers see all of it or nothing
+        else:
+            os.replace(self._write_temp(data), path)
+            self._fsync_root()
+        self._snapshots.append(seq)
+        while len(self._snapshots) > KEEP_SNAPSHOTS:
+            old = self._snapshot_path(self._snapshots.pop(0))
+            if self.protocol == "s3":
+                self.fs.rm_file(old)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(old)
+
     def attempt(self, attempt: int, *, parent: tuple[int, int] | None, world_size: int, quantum: int,
-                checkpoint: str | None, run: str) -> Txn:
+                checkpoint: str | None, run: str, origin: dict | None = None) -> Txn:
         parent_json = {"attempt": parent[0], "step": parent[1]} if parent else None
         return self.append("attempt", attempt=attempt, parent=parent_json, world_size=world_size, quantum=quantum,
-                           checkpoint=checkpoint, run=run)
+                           checkpoint=checkpoint, run=run, origin=origin)
 
     def dispatched(self, attempt: int, step: int, window: str, refs: Iterable[SampleRef]) -> Txn:
         return self.append("dispatched", attempt=attempt, step=step, window=window, refs=[ref_to_json(r) for r in refs])
@@ -237,131 +342,6 @@ class Ledger:
 
     def deleted(self, windows: Iterable[str], keys: Iterable[str]) -> Txn:
         return self.append("deleted", windows=list(windows), keys=list(keys))
-
-
-@dataclass
-class LedgerState:
-    """What replaying the transactions gives (built by ``Ledger.replay``).
-
-    Replay checks that the history is one a gang can write, and raises ``LedgerError`` naming
-    the first transaction that breaks it: attempt ids increase and an attempt resumes from an
-    earlier attempt's checkpoint (never its own, which would loop the lineage); a window is
-    dispatched once, by a recorded attempt, at the step after the attempt's last trained one;
-    an attempt trains consecutive steps from its parent's step + 1, each the window dispatched
-    for that step with exactly its samples; an attempt that dispatched windows checkpoints only
-    its resumed step or a step it trained (an attempt that never dispatched, e.g. offline
-    training, is not checked).
-    """
-
-    attempts: dict[int, dict] = field(default_factory=dict)  # attempt id -> attempt txn body
-    windows: dict[str, list[SampleRef]] = field(default_factory=dict)  # window id -> refs, in dispatch order
-    trained: dict[int, list[dict]] = field(default_factory=dict)  # attempt -> trained bodies, by step
-    checkpoints: list[dict] = field(default_factory=list)  # checkpointed bodies, in write order
-    deleted_windows: set[str] = field(default_factory=set)
-    _dispatched_by: dict[str, tuple[int, int, int]] = field(default_factory=dict, repr=False)  # window -> (seq, attempt, step)
-    _dispatching: set[int] = field(default_factory=set, repr=False)  # attempts that dispatched a window
-    _attempt_seq: dict[int, int] = field(default_factory=dict, repr=False)  # attempt -> seq of its txn
-
-    @classmethod
-    def from_txns(cls, txns: Iterable[Txn]) -> "LedgerState":
-        state = cls()
-        for txn in txns:
-            getattr(state, f"_apply_{txn.kind}")(txn)
-        for attempt, body in state.attempts.items():
-            parent = body["parent"]
-            if parent and parent["attempt"] in state.attempts and parent["attempt"] > attempt:
-                raise LedgerError(f"{_txn_name(state._attempt_seq[attempt])} (attempt): attempt {attempt} resumes from "
-                                  f"attempt {parent['attempt']}, which started later; restore the ledger from a backup")
-        return state
-
-    def _floor(self, attempt: int) -> int:
-        parent = self.attempts[attempt]["parent"]
-        return parent["step"] if parent else 0
-
-    def _last_step(self, attempt: int) -> int:
-        trained = self.trained.get(attempt)
-        return trained[-1]["step"] if trained else self._floor(attempt)
-
-    def _apply_attempt(self, txn: Txn) -> None:
-        body, where = txn.body, f"{_txn_name(txn.seq)} (attempt)"
-        attempt, parent = body["attempt"], body["parent"]
-        if self.attempts and attempt <= max(self.attempts):
-            raise LedgerError(f"{where}: attempt {attempt} starts after attempt {max(self.attempts)}; attempt ids "
-                              "increase with every start (a second writer?); restore the ledger from a backup")
-        if parent and parent["attempt"] == attempt:
-            raise LedgerError(f"{where}: attempt {attempt} resumes from a checkpoint of itself; "
-                              "restore the ledger from a backup")
-        self.attempts[attempt] = body
-        self._attempt_seq[attempt] = txn.seq
-
-    def _apply_dispatched(self, txn: Txn) -> None:
-        body, where = txn.body, f"{_txn_name(txn.seq)} (dispatched)"
-        attempt, step, window = body["attempt"], body["step"], body["window"]
-        if window in self._dispatched_by:
-            raise LedgerError(f"{where}: window {window} was dispatched already by "
-                              f"{_txn_name(self._dispatched_by[window][0])}; restore the ledger from a backup")
-        if attempt not in self.attempts:
-            raise LedgerError(f"{where}: attempt {attempt} dispatches window {window} but has no attempt txn before it")
-        if step != self._last_step(attempt) + 1:
-            raise LedgerError(f"{where}: attempt {attempt} dispatches step {step}, but its next step is "
-                              f"{self._last_step(attempt) + 1}; restore the ledger from a backup")
-        self.windows[window] = [ref_from_json(r) for r in body["refs"]]
-        self._dispatched_by[window] = (txn.seq, attempt, step)
-        self._dispatching.add(attempt)
-
-    def _apply_trained(self, txn: Txn) -> None:
-        body, where = txn.body, f"{_txn_name(txn.seq)} (trained)"
-        attempt, step, window = body["attempt"], body["step"], body["window"]
-        if window not in self._dispatched_by:
-            raise LedgerError(f"{where}: window {window} was trained but never dispatched")
-        if step != self._last_step(attempt) + 1:
-            raise LedgerError(f"{where}: attempt {attempt} trains step {step} after step {self._last_step(attempt)}; "
-                              "an attempt trains consecutive steps once each; restore the ledger from a backup")
-        seq, by, at = self._dispatched_by[window]
-        if (by, at) != (attempt, step):
-            raise LedgerError(f"{where}: window {window} was dispatched for attempt {by} step {at} "
-                              f"({_txn_name(seq)}), not attempt {attempt} step {step}")
-        expected = sorted(ref.sample_id for ref in self.windows[window])
-        if sorted(body["sample_ids"]) != expected:
-            raise LedgerError(f"{where}: attempt {attempt} step {step} acknowledged {sorted(body['sample_ids'])} "
-                              f"but window {window} holds {expected}")
-        self.trained.setdefault(attempt, []).append(body)
-
-    def _apply_checkpointed(self, txn: Txn) -> None:
-        attempt, step = txn.body["attempt"], txn.body["step"]
-        trained = {t["step"] for t in self.trained.get(attempt, [])}
-        if attempt in self._dispatching and step != self._floor(attempt) and step not in trained:
-            raise LedgerError(f"{_txn_name(txn.seq)} (checkpointed): step {step} of attempt {attempt}, which it never "
-                              f"trained (its last trained step is {self._last_step(attempt)}); restore the ledger from a "
-                              "backup")
-        self.checkpoints.append(txn.body)
-
-    def _apply_deleted(self, txn: Txn) -> None:
-        self.deleted_windows.update(txn.body["windows"])
-
-    @property
-    def next_attempt(self) -> int:
-        return max(self.attempts, default=-1) + 1
-
-    def last_checkpoint(self) -> dict | None:
-        """The newest ``checkpointed`` body (the head of the live lineage), or None."""
-        return self.checkpoints[-1] if self.checkpoints else None
-
-    def find_checkpoint(self, attempt: int, step: int) -> dict | None:
-        return next((c for c in self.checkpoints if (c["attempt"], c["step"]) == (attempt, step)), None)
-
-    def lineage(self, attempt: int, step: int) -> list[dict]:
-        """``trained`` bodies the model at checkpoint (attempt, step) is made of, oldest first."""
-        parts: list[list[dict]] = []
-        current: tuple[int, int] | None = (attempt, step)
-        while current is not None:
-            a, s = current
-            if a not in self.attempts:
-                raise LedgerError(f"checkpoint (attempt {a}, step {s}) names an attempt the ledger has no attempt txn for")
-            parent = self.attempts[a]["parent"]  # an earlier attempt (checked by replay): the walk ends
-            parts.append([t for t in self.trained.get(a, []) if t["step"] <= s])
-            current = (parent["attempt"], parent["step"]) if parent else None
-        return [t for part in reversed(parts) for t in part]
 
 
 @dataclass(frozen=True)

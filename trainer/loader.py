@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -67,6 +67,23 @@ class TrainBatch:
     # [B, T] bool: the only positions a block (or chain) may start at, e.g. the anchors a served
     # round used (pipeline/bench/fidelity.py); None = every valid anchor (training)
     anchor_mask: torch.Tensor | None = None
+
+    def to(self, device: torch.device, *, non_blocking: bool = False) -> "TrainBatch":
+        """This batch's tensors on ``device`` (the batch itself when they are there already); from
+        pinned memory ``non_blocking`` copies overlap the host's next work."""
+        if self.input_ids.device == torch.device(device):
+            return self
+        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return replace(self, input_ids=move(self.input_ids), loss_mask=move(self.loss_mask),
+                       attention_mask=move(self.attention_mask), hidden_states=move(self.hidden_states),
+                       last_hidden_states=move(self.last_hidden_states), anchor_mask=move(self.anchor_mask))
+
+    def pin_memory(self) -> "TrainBatch":
+        """This batch in page-locked host memory (what a ``non_blocking`` copy to CUDA needs)."""
+        pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
+        return replace(self, input_ids=pin(self.input_ids), loss_mask=pin(self.loss_mask),
+                       attention_mask=pin(self.attention_mask), hidden_states=pin(self.hidden_states),
+                       last_hidden_states=pin(self.last_hidden_states), anchor_mask=pin(self.anchor_mask))
 
 
 def epoch_permutation(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
@@ -133,7 +150,7 @@ class FeatureLoader:
     def __init__(
         self, manifest: Manifest, store: FeatureStore, *, micro_batch_size: int, seed: int,
         rank: int = 0, world_size: int = 1, accumulation_steps: int = 1, expected: CaptureContract | None = None,
-        max_length: int | None = None, prefetch: int = 2,
+        max_length: int | None = None, prefetch: int = 2, pin_memory: bool = False,
     ):
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
@@ -166,6 +183,7 @@ class FeatureLoader:
         self.accumulation_steps = accumulation_steps
         self.max_length = max_length
         self.prefetch = prefetch
+        self.pin_memory = pin_memory  # pinned batches (a CUDA rank copies them without blocking)
         self.num_samples = len(manifest.refs)
         self._epoch, self._position = 0, 0
         self._origin = (0, 0)  # (epoch, position) the run started reading at: windows start there + k * Q
@@ -224,7 +242,8 @@ class FeatureLoader:
 
     def _fetch(self, refs: list[SampleRef]) -> TrainBatch:
         samples = [self.store.get(ref) for ref in refs]  # verifies every checksum
-        return collate(samples, [r.sample_id for r in refs], max_length=self.max_length)
+        batch = collate(samples, [r.sample_id for r in refs], max_length=self.max_length)
+        return batch.pin_memory() if self.pin_memory else batch  # in the prefetch thread, off the step's path
 
     def _fill(self) -> None:
         """Keep ``prefetch`` micro-batches in flight, starting at the current position."""

@@ -1,10 +1,9 @@
 """The training core every driver shares: one step, one metrics record, one checkpoint save/resume.
 
 ``TrainRun`` is one rank's training state around a ``TrainerCore``: the optimizer step counter,
-tokens seen and metric records. ``specray train`` (``Trainer`` below), the Ray trainer gang
-(``actors/trainer.py``, which adds the ledger and Ray's checkpoint protocol) and the
-one-accelerator path (``pipeline/jobs/onegpu.py``) all train through ``TrainRun.train_step`` and
-checkpoint through ``TrainRun.save`` / ``TrainRun.load``.
+tokens seen and metric records. ``specray train`` (``Trainer`` below) and the Ray trainer gang
+(``actors/trainer.py``, which adds the ledger and Ray's checkpoint protocol) both train through
+``TrainRun.train_step`` and checkpoint through ``TrainRun.save`` / ``TrainRun.load``, on any device.
 
 A metrics record (every ``log_every`` steps, and whenever a driver flushes, e.g. before a
 checkpoint) holds: step, loss, lr, grad norm, tokens, tokens/s, the step time split into data
@@ -15,6 +14,9 @@ seen and the record history, so N steps + resume + N steps equals 2N straight st
 ``Trainer.fit`` runs optimizer steps ``[start, total_steps)`` from a ``FeatureLoader``; rank 0
 appends each record to ``<run_dir>/metrics.jsonl`` and writes a checkpoint every
 ``checkpoint_every`` steps (and at the end) under ``<run_dir>/checkpoints``.
+
+Rank 0 hands each record to ``tracker`` (``trainer/tracking.py``: TensorBoard, W&B, MLflow)
+as it is made, and the record of a checkpoint again once the hook added its fields.
 
 A *checkpoint hook* (``CheckpointHook``) runs on rank 0 before each checkpoint is written and
 adds its fields to that step's record: the drivers inject the live evaluation this way
@@ -37,6 +39,7 @@ from tqdm import tqdm
 from specray.trainer.checkpoint import capture_rng_state, latest_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint
 from specray.trainer.core import StepResult, TrainerCore
 from specray.trainer.loader import FeatureLoader, TrainBatch
+from specray.trainer.tracking import Tracker
 
 CheckpointHook = Callable[["TrainRun"], dict]
 """``hook(run) -> fields`` added to the metrics record of ``run.step``, on rank 0 before the checkpoint."""
@@ -81,7 +84,7 @@ class TrainRun:
 
     ``extra`` is what every checkpoint carries besides the training state (algorithm, drafter
     config, contract, provenance: what an export needs). ``record_fields`` are added to every
-    metrics record (the gang's ``attempt``).
+    metrics record (the gang's ``attempt``). ``tracker`` (rank 0's, or None) logs every record.
     """
 
     def __init__(self, core: TrainerCore, *, log_every: int, extra: dict | None = None):
@@ -93,6 +96,7 @@ class TrainRun:
         self.step = 0
         self.tokens_seen = 0
         self.records: list[dict] = []
+        self.tracker: Tracker | None = None
         self._window = MetricsWindow()
 
     @property
@@ -105,7 +109,7 @@ class TrainRun:
         result = self.core.train_step(batches, self.step)
         tokens = sum(b.num_tokens for b in batches)
         if self.core.distributed:
-            count = torch.tensor([tokens], dtype=torch.int64)
+            count = torch.tensor([tokens], dtype=torch.int64, device=self.core.device)
             dist.all_reduce(count)
             tokens = int(count)
         self.tokens_seen += tokens
@@ -120,6 +124,8 @@ class TrainRun:
         record = {**self._window.record(self.step, self.tokens_seen, self.core.strategy), **self.record_fields}
         self.records.append(record)
         self._window = MetricsWindow()
+        if self.tracker is not None:
+            self.tracker.log(record)
         return record
 
     def checkpoint_record(self, hook: CheckpointHook | None) -> dict | None:
@@ -136,7 +142,15 @@ class TrainRun:
                 record.update(hook(self))
             finally:
                 restore_rng_state(rng)
+            if self.tracker is not None:
+                self.tracker.log(record)  # the hook's fields
         return record
+
+    def close(self) -> None:
+        """Close the tracker (its files complete, its runs finished)."""
+        if self.tracker is not None:
+            self.tracker.close()
+            self.tracker = None
 
     def save(self, directory: str | Path, *, loader_state: dict, keep_last: int | None, **extra) -> None:
         """Rank 0 writes the checkpoint of the current step under ``directory`` (other ranks: nothing)."""

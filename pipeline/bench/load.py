@@ -210,6 +210,8 @@ class _Monitor:
         r["active_since"].setdefault(metrics["active_version"], now)
         for rejected in metrics["rejected_versions"]:
             r["rejected"].setdefault(rejected["version"], rejected["error"])
+        for version, reason in (metrics.get("registry_rejected") or {}).items():  # skipped: rejected in the registry
+            r["rejected"].setdefault(int(version), reason)
 
     def serving(self, version: int, excluded: str | None = None) -> int:
         """Replicas last seen with ``version`` active."""

@@ -162,7 +162,9 @@ def vllm_systems(drafter_dir: str | None, target, k: int | None, tmp: str) -> tu
     drafter = None
     if drafter_dir is not None:
         try:
-            peer = write_peer_export(drafter_dir, Path(tmp) / "speculators", target=target, num_speculative_tokens=k)
+            # the verifier is the target's local directory: this machine's vLLM verifies with it
+            peer = write_peer_export(drafter_dir, Path(tmp) / "speculators", target=target, num_speculative_tokens=k,
+                                     verifier_name_or_path=str(target.path))
         except PeerFormatError as e:
             drafter = {"skipped": str(e)}
         else:

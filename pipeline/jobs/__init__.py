@@ -1,5 +1,5 @@
 """Job drivers, one per job: what ``specray capture | train | pipeline run | regenerate | calibrate |
-serve`` and ``ray job submit`` run.
+serve | plan`` and ``ray job submit`` run.
 
     capture      capture.py      target features into a store and a Parquet manifest
     train        train.py        a drafter on a manifest (one process, or DDP ranks)
@@ -8,6 +8,7 @@ serve`` and ``ray job submit`` run.
     regenerate   regenerate.py   the target's own answers to training prompts
     calibrate    calibrate.py    DSpark's confidence temperatures on held-out features
     serve        serve.py        the Ray Serve application (``serve run``, KubeRay RayService)
+    plan         plan.py         each stage's memory and bytes, before anything runs
 
 with what they share: run dirs (rundir.py), held-out answers (heldout.py), OpenAI streaming
 clients (clients.py). Jobs never import pipeline/bench.

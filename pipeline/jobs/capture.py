@@ -9,9 +9,10 @@ It writes ``<run_dir>/manifest.parquet`` (SampleRefs + contract), ``<run_dir>/ca
 under the store URI.
 
 ``run_capture`` captures in this process; ``run_capture_on_ray`` spreads the same batches
-over N ``CaptureActor``\ s (``actors/capture.py``) and writes the same manifest and summary.
-Both share ``plan_capture`` (render, contract, batches) and ``finish_capture`` (manifest,
-stale blobs, summary).
+over N ``CaptureActor``\ s (``actors/capture.py``, each on the devices Ray grants it) and writes
+the same manifest and summary. Both share ``plan_capture`` (render, contract, batches: from the
+target's tokenizer, config and fingerprints, without its weights) and ``finish_capture``
+(manifest, stale blobs, summary).
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ class CapturePlan:
 
     manifest_uri: str
     previous: Manifest | None  # the manifest an overwrite replaces
-    target: Target
+    target: Target  # tokenizer, config and fingerprints only (weights="none")
     contract: CaptureContract
     samples: list[RenderedSample]
     skipped: dict[str, int]
@@ -133,8 +134,8 @@ def plan_capture(cfg: CaptureJobConfig) -> CapturePlan:
             )
         previous = read_manifest(manifest_uri)
 
-    target = load_target(cfg.target.name, dtype=cfg.target.dtype, device=cfg.target.device,
-                         chat_template=resolve_chat_template(cfg.data.chat_template),
+    # the driver renders and fingerprints (with the data section's chat template); actors load weights
+    target = load_target(cfg.target.name, weights="none", chat_template=resolve_chat_template(cfg.data.chat_template),
                          chat_template_kwargs=cfg.data.chat_template_kwargs)
     contract = contract_for(target, cfg)
     samples, skipped = render_dataset(target, cfg)
@@ -147,7 +148,9 @@ def plan_capture(cfg: CaptureJobConfig) -> CapturePlan:
 
 def run_capture(cfg: CaptureJobConfig, *, progress: bool = True) -> CaptureSummary:
     plan = plan_capture(cfg)
-    server = CaptureServer(plan.target, plan.contract, open_store(cfg.store_uri, endpoint_url=cfg.store.endpoint_url))
+    target = load_target(cfg.target.name, dtype=cfg.target.dtype, device=cfg.target.device,
+                         chat_template=plan.target.chat_template)  # the plan's chat template
+    server = CaptureServer(target, plan.contract, open_store(cfg.store_uri, endpoint_url=cfg.store.endpoint_url))
     refs = []
     start = time.perf_counter()
     total = sum(s.num_tokens for s in plan.samples)
@@ -161,18 +164,20 @@ def run_capture(cfg: CaptureJobConfig, *, progress: bool = True) -> CaptureSumma
 
 
 def run_capture_on_ray(cfg: CaptureJobConfig, *, num_actors: int, num_cpus_per_actor: float = 1.0,
-                       progress: bool = True) -> CaptureSummary:
-    """``run_capture`` on ``num_actors`` Ray CaptureActors (connect to Ray first): same batches, same output."""
+                       num_gpus_per_actor: float = 0.0, progress: bool = True) -> CaptureSummary:
+    """``run_capture`` on ``num_actors`` Ray CaptureActors (connect to Ray first): same batches, same output.
+    Each actor asks Ray for ``num_gpus_per_actor`` GPUs and runs the target on ``target.device``."""
     from specray.actors.capture import CapturePool
+    from specray.capture.devices import check_ray_devices
 
-    if cfg.target.device != "cpu":
-        raise ValueError(f"target.device={cfg.target.device!r}: Ray capture actors run the target on CPU; "
-                         "set target.device=cpu or capture in-process with run_capture")
+    check_ray_devices(cfg.target.device, num_gpus_per_actor, device_field="target.device",
+                      gpus_field="capture.num_gpus_per_actor", who="capture actors")
     plan = plan_capture(cfg)
     refs: list[SampleRef] = []
     with CapturePool(cfg.target.name, plan.contract, cfg.store_uri, endpoint_url=cfg.store.endpoint_url,
-                     num_actors=num_actors, num_cpus_per_actor=num_cpus_per_actor,
-                     target_dtype=cfg.target.dtype, chat_template=plan.target.chat_template) as pool:
+                     num_actors=num_actors, num_cpus_per_actor=num_cpus_per_actor, num_gpus_per_actor=num_gpus_per_actor,
+                     target_dtype=cfg.target.dtype, target_device=cfg.target.device,
+                     chat_template=plan.target.chat_template) as pool:
         pool.wait_ready()  # capture time (tokens/s) excludes the actors' start-up
         stats = pool.run(((f"batch-{i:06d}", batch) for i, batch in enumerate(plan.batches)),
                          lambda _, batch_refs: refs.extend(batch_refs), progress=progress)

@@ -57,6 +57,7 @@ from specray.pipeline.jobs.pipeline import run_pipeline
 from specray.pipeline.jobs.rundir import MARKER, fresh_run_dir, resumable_run_dir
 
 STATE = "closed-loop.json"
+SUB_RUNS = ("initial", "iterations")  # the pipelines this loop runs inside its run dir (rundir.fresh_run_dir)
 POLL_S = 1.0  # seconds between reads of the record store and of /metrics while waiting
 
 
@@ -100,7 +101,7 @@ def run_closed_loop(cfg: PipelineConfig, *, progress: bool = True, resume: bool 
     from specray.actors.serve import start_serving
     from specray.serving.registry import DrafterRegistry
 
-    run_dir = resumable_run_dir(cfg.run_dir) if resume else fresh_run_dir(cfg.run_dir)
+    run_dir = resumable_run_dir(cfg.run_dir) if resume else fresh_run_dir(cfg.run_dir, sub_runs=SUB_RUNS)
     report = ClosedLoopReport(cfg.name, cfg.mode, str(run_dir.resolve()))
     state = _LoopState(run_dir / STATE)
     connect(cfg.ray.address, cfg.ray.num_cpus)
@@ -163,10 +164,10 @@ def derived_config(cfg: PipelineConfig, *, name: str, mode: str, run_dir: Path, 
 def _initial(cfg: PipelineConfig, registry, state: _LoopState, progress: bool, resume: bool) -> dict:
     """The first drafter, published as the first version; recorded in the state."""
     if cfg.train.drafter.init_from:
-        export, how = str(Path(cfg.train.drafter.init_from).resolve()), "train.drafter.init_from"
+        export, how = _imported(cfg, str(Path(cfg.train.drafter.init_from).resolve())), "train.drafter.init_from"
         check_starts_from(cfg.train.drafter, export)
     else:
-        sub = derived_config(cfg, name=f"{cfg.name}-initial", mode="offline", run_dir=cfg.run_dir / "initial")
+        sub = derived_config(cfg, name=f"{cfg.name}-initial", mode="offline", run_dir=cfg.run_dir / SUB_RUNS[0])
         if progress:
             print(f"== initial drafter: offline pipeline on {cfg.data.dataset} in {sub.run_dir}", flush=True)
         sub_report, _ = run_pipeline(sub, progress=progress, resume=resume and (sub.run_dir / MARKER).exists())
@@ -174,6 +175,18 @@ def _initial(cfg: PipelineConfig, registry, state: _LoopState, progress: bool, r
     initial = {"export": export, "version": registry.publish(export), "made_by": how}
     state.update(initial=initial)
     return initial
+
+
+def _imported(cfg: PipelineConfig, path: str) -> str:
+    """``path``, or the export a peer drafter's directory imports to (drafters/peer_import.py), for the
+    target and capture dtype of the loop (what every iteration captures and trains on)."""
+    from specray.drafters.peer_import import as_export, is_peer_directory
+
+    if not is_peer_directory(path):
+        return path
+    from specray.capture.target import load_target
+
+    return str(as_export(path, load_target(cfg.target.name), capture_dtype=cfg.capture.dtype))
 
 
 def check_starts_from(section, export: str) -> None:
@@ -258,7 +271,7 @@ class _Loop:
         pending = [it for it in self.state.get("iterations") if it["iteration"] == index]
         entry = pending[0] if pending else self.snapshot(index)
         records_s = self.load.now() - start
-        run_dir = self.cfg.run_dir / "iterations" / f"{index:04d}"
+        run_dir = self.cfg.run_dir / SUB_RUNS[1] / f"{index:04d}"
         sub = derived_config(self.cfg, name=f"{self.cfg.name}-{index:04d}", mode="online", run_dir=run_dir,
                              dataset=f"jsonl:{entry['snapshot']}", init_from=self.state.current_export)
         self.say(f"== iteration {index}: {entry['records']} records → online capture+train from "

@@ -225,7 +225,8 @@ def _capture(cfg: PipelineConfig, report: PipelineReport, progress: bool, *, reu
                           "store": cfg.store_uri, "reused": True}
         return shared
     summary = run_capture_on_ray(cfg.capture_job(), num_actors=cfg.capture.num_actors,
-                                 num_cpus_per_actor=cfg.capture.num_cpus_per_actor, progress=progress)
+                                 num_cpus_per_actor=cfg.capture.num_cpus_per_actor,
+                                 num_gpus_per_actor=cfg.capture.num_gpus_per_actor, progress=progress)
     local = read_manifest(summary.manifest)  # the capture job's, on this machine's disk
     write_manifest(shared, local.refs, contract=local.contract, store_uri=local.store_uri, metadata=local.metadata,
                    overwrite=True, endpoint_url=endpoint)
@@ -239,10 +240,11 @@ def _train_offline(cfg: PipelineConfig, manifest: str, report: PipelineReport, p
     from specray.actors.trainer import run_trainer_gang
 
     with _TrainProgress(cfg.train.optim.total_steps, progress) as on_record:
-        result = run_trainer_gang(cfg.train_job(manifest).train_spec(), num_workers=cfg.train.num_workers,
+        result = run_trainer_gang(cfg.train_job(manifest).train_spec(device_field="train.device"),
+                                  num_workers=cfg.train.num_workers,
                                   storage_path=cfg.train.storage or str(cfg.run_dir / "ray-train"),
                                   max_failures=cfg.train.max_failures, cpus_per_worker=cfg.train.cpus_per_worker,
-                                  on_record=on_record)
+                                  gpus_per_worker=cfg.train.gpus_per_worker, on_record=on_record)
     report.train = _train_summary(cfg, result)
     return result.checkpoint
 
@@ -336,13 +338,18 @@ def _train_online(cfg: PipelineConfig, report: PipelineReport, progress: bool) -
     plan = plan_capture(job)
     t, o = cfg.train, cfg.online
     window = t.num_workers * t.optim.micro_batch_size * t.optim.accumulation_steps
-    steps = -(-len(plan.samples) // window)  # one pass: the stream is consume-once
     storage = t.storage or str(cfg.run_dir / "ray-train")
-    train_job = cfg.train_job(None).model_copy(update={"optim": t.optim.model_copy(update={"total_steps": steps})})
     ledger_uri = _training_locations(cfg)[1]
     # Samples an earlier run of this stream dispatched are the gang's to re-dispatch (from the
     # ledger, on resume); the producer captures only the ones never dispatched.
     state = Ledger(ledger_uri).replay()
+    # One pass (the stream is consume-once). The gang counts its step target from the samples
+    # left at each attempt start (stream_samples); this is that count from the ledger's newest
+    # checkpoint, for the progress bar and the first attempt's schedule.
+    last = state.last_checkpoint()
+    done = {sid for txn in state.lineage(last["attempt"], last["step"]) for sid in txn["sample_ids"]} if last else set()
+    steps = (last["step"] if last else 0) + -(-(len(plan.samples) - len(done)) // window)
+    train_job = cfg.train_job(None).model_copy(update={"optim": t.optim.model_copy(update={"total_steps": steps})})
     dispatched = {r.sample_id for refs in state.windows.values() for r in refs}
     # The keys this stream writes: its planned samples' and every one the ledger dispatched.
     # Only these are ever deleted or audited; other datasets may share the store root.
@@ -351,7 +358,8 @@ def _train_online(cfg: PipelineConfig, report: PipelineReport, progress: bool) -
                                  contract=plan.contract, store_uri=cfg.store_uri, endpoint_url=cfg.store.endpoint_url)
     pool = CapturePool(cfg.target.name, plan.contract, cfg.store_uri, endpoint_url=cfg.store.endpoint_url,
                        num_actors=cfg.capture.num_actors, num_cpus_per_actor=cfg.capture.num_cpus_per_actor,
-                       target_dtype=cfg.target.dtype, chat_template=plan.target.chat_template)
+                       num_gpus_per_actor=cfg.capture.num_gpus_per_actor, target_dtype=cfg.target.dtype,
+                       target_device=cfg.target.device, chat_template=plan.target.chat_template)
     if dispatched:
         _adopt_leftovers(state, broker, pool.store, keys)
     producer = _Producer(pool, broker, plan, progress, skip=dispatched)
@@ -360,10 +368,12 @@ def _train_online(cfg: PipelineConfig, report: PipelineReport, progress: bool) -
         try:
             with _TrainProgress(steps, progress, position=1) as on_record:  # below the capture bar
                 # the gang renders (live evaluation) and fingerprints with the capture's chat template
-                spec = replace(train_job.train_spec(), chat_template=plan.target.chat_template)
+                spec = replace(train_job.train_spec(device_field="train.device"), chat_template=plan.target.chat_template)
                 result = run_trainer_gang(spec, num_workers=t.num_workers, storage_path=storage,
-                                          ledger_uri=ledger_uri, broker=broker, max_failures=t.max_failures,
-                                          cpus_per_worker=t.cpus_per_worker, on_record=on_record)
+                                          ledger_uri=ledger_uri, broker=broker, stream_samples=len(plan.samples),
+                                          max_failures=t.max_failures,
+                                          cpus_per_worker=t.cpus_per_worker, gpus_per_worker=t.gpus_per_worker,
+                                          on_record=on_record)
         except Exception:
             producer.raise_error()  # a failed stream fails the gang: report the cause, not its echo
             raise

@@ -5,8 +5,9 @@
 Writes ``<run_dir>/checkpoints/step-*/``, ``metrics.jsonl``, ``curves.png`` (loss,
 per-position accuracy, and the live acceptance measured at each checkpoint with ``live_eval``:
 ``serving/live_eval.py``), ``train.json`` (summary) and ``config.yaml``. With
-``trainer.world_size > 1`` the same code runs as DDP ranks (torch.distributed, gloo,
-127.0.0.1) spawned on this machine; a rerun resumes from the latest checkpoint.
+``trainer.world_size > 1`` the same code runs as DDP ranks spawned on this machine
+(torch.distributed on 127.0.0.1: NCCL with one GPU per rank when ``trainer.device`` resolves to
+CUDA, gloo on the CPU); a rerun resumes from the latest checkpoint.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from specray.capture.store import open_store, read_manifest
 from specray.capture.target import load_target
 from specray.pipeline.config import TrainJobConfig
 from specray.serving.live_eval import checkpoint_hook
-from specray.trainer.assembly import check_manifest_fits, count_draft_vocab
+from specray.trainer.assembly import check_manifest_fits, count_draft_vocab, rank_device
 from specray.trainer.assembly import build_trainer as build_spec_trainer
 from specray.trainer.loader import FeatureLoader
 from specray.trainer.loop import Trainer
@@ -37,7 +38,7 @@ def build_trainer(cfg: TrainJobConfig, *, rank: int = 0, world_size: int = 1) ->
     """Everything one rank needs (``trainer/assembly.py``), rank 0 with the live evaluation of
     ``cfg.live_eval`` as its checkpoint hook; raises clear errors for a manifest of another contract."""
     spec = cfg.train_spec()
-    return build_spec_trainer(spec, rank=rank, world_size=world_size, checkpoint_hook=checkpoint_hook(spec.live_eval))
+    return build_spec_trainer(spec, rank=rank, world_size=world_size, live_eval=checkpoint_hook(spec.live_eval))
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,11 @@ def _run_rank(rank: int, cfg: TrainJobConfig, world_size: int, port: int | None,
     if world_size > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        device = rank_device(cfg.train_spec(), rank=rank, world_size=world_size)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL's object collectives run on the current device
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size)
+    trainer = None
     try:
         trainer = build_trainer(cfg, rank=rank, world_size=world_size)
         start = trainer.resume() if cfg.output.resume else 0
@@ -89,6 +94,8 @@ def _run_rank(rank: int, cfg: TrainJobConfig, world_size: int, port: int | None,
         (cfg.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         return summary
     finally:
+        if trainer is not None:
+            trainer.run.close()  # the tracker's files complete
         if world_size > 1:
             dist.destroy_process_group()
 
@@ -100,10 +107,13 @@ def _spawned(rank: int, cfg: TrainJobConfig, world_size: int, port: int, progres
 def run_training(cfg: TrainJobConfig, *, progress: bool = True) -> TrainSummary:
     """Train ``cfg``; features captured for another algorithm are refused before anything trains."""
     spec = cfg.train_spec()
+    world_size = cfg.trainer.world_size
+    rank_device(spec, world_size=world_size)  # refuses a device this machine lacks before anything is read
+    if spec.tracking is not None:
+        spec.tracking.check_installed()
     if spec.manifest is not None:
         check_manifest_fits(spec, read_manifest(spec.manifest, endpoint_url=spec.endpoint_url).contract)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    world_size = cfg.trainer.world_size
     if world_size == 1:
         return _run_rank(0, cfg, 1, None, progress)
     count_draft_vocab(spec)  # once here, not by every rank
@@ -123,7 +133,8 @@ def evaluate_export(export_dir: str, manifest_uri: str, *, target_name: str, end
     from specray.trainer.evaluate import evaluate
 
     manifest = read_manifest(manifest_uri, endpoint_url=endpoint_url)
-    target = load_target(target_name, chat_template=manifest.chat_template)  # as the manifest was rendered
+    # the drafter reads the embedding and LM head only; rendered as the manifest was
+    target = load_target(target_name, weights="heads", chat_template=manifest.chat_template)
     contract = json.loads(manifest.contract.to_json())
     model = load_drafter(export_dir, embed_tokens=target.model.model.embed_tokens, lm_head=target.model.lm_head,
                          target_fingerprint=target.target_fingerprint,

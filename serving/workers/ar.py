@@ -53,9 +53,9 @@ class ARWorker:
         if size:
             raise ValueError(f"the AR worker runs no speculative rounds (size {size})")
         start = time.perf_counter()
-        tokens, errors, _ = ar_step(self.runner, slots, anchors, params, generators)
+        tokens, errors, out = ar_step(self.runner, slots, anchors, params, generators)
         self.steps, self.seconds = self.steps + 1, self.seconds + time.perf_counter() - start
-        return StepOutput(tokens, [0] * len(slots), [0] * len(slots), True, errors)
+        return StepOutput(tokens, [0] * len(slots), [0] * len(slots), True, errors, target_logits=out.logits)
 
     def release(self, slot: int) -> None:
         """Nothing to drop: the target's KV slot is the engine's."""

@@ -54,6 +54,11 @@ class StepOutput:
     ``deferred_seconds``: the part of the step's wall time spent on drafter work earlier plain
     steps deferred (``serving/workers/deferred.py``), which the chooser does not charge to this
     step's size.
+
+    ``target_logits`` is the step's target forward as it came out (no copy): request b's emitted
+    token i was drawn from row ``target_rows[b][i]`` of ``target_logits[b]`` (``target_rows`` None:
+    row i, a chain or a plain step; a tree gives its accepted path's rows). The engine reads it
+    only for requests that ask for logprobs.
     """
 
     tokens: list[list[int]]  # [B][r_b + 1] emitted tokens per request ([] when it failed)
@@ -62,6 +67,8 @@ class StepOutput:
     speculative: bool  # a round of the algorithm (False: a plain step taken instead)
     errors: list[BaseException | None] = field(default_factory=list)  # [B]; [] = none failed
     deferred_seconds: float = 0.0
+    target_logits: torch.Tensor | None = None  # [B, M, V] float32 (None: not kept)
+    target_rows: list[list[int]] | None = None  # [B][r_b + 1] rows of target_logits (None: 0 .. r_b)
 
     def __post_init__(self) -> None:
         self.errors = self.errors or [None] * len(self.tokens)
@@ -69,9 +76,9 @@ class StepOutput:
 
     @classmethod
     def plain(cls, tokens: list[list[int]], errors: list[BaseException | None] | None = None,
-              deferred_seconds: float = 0.0) -> StepOutput:
-        """A plain step: one target row per request, no drafts."""
-        return cls(tokens, [0] * len(tokens), [0] * len(tokens), False, errors or [], deferred_seconds)
+              deferred_seconds: float = 0.0, target_logits: torch.Tensor | None = None) -> StepOutput:
+        """A plain step: one target row per request (``target_logits`` [B, 1, V]), no drafts."""
+        return cls(tokens, [0] * len(tokens), [0] * len(tokens), False, errors or [], deferred_seconds, target_logits)
 
 
 @runtime_checkable

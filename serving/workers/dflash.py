@@ -169,7 +169,8 @@ class DFlashWorker:
         result = accept_chains(out.logits, drafts, params, qs, generators)
         t3 = time.perf_counter()
         self._commit_round(slots, out, result, (t0, t1, t2, t3), owed)
-        return StepOutput(result.tokens, [M - 1] * B, result.accepted, True, result.errors, deferred_seconds=owed)
+        return StepOutput(result.tokens, [M - 1] * B, result.accepted, True, result.errors, deferred_seconds=owed,
+                          target_logits=out.logits)
 
     def _commit_round(self, slots: list[int], out, result, times: tuple[float, ...], owed: float) -> None:
         """Commit each request's ``[a, d1 … dr]`` (r + 1 rows, 0 if it failed) in the target cache and
@@ -190,4 +191,4 @@ class DFlashWorker:
         owed = self.catch_up(slots) if self.deferred.full(slots) else 0.0
         tokens, errors, out = ar_step(self.runner, slots, anchors, params, generators)
         self.deferred.push(slots, out.features_of(self.cfg.target_layer_ids)[:, 0])
-        return StepOutput.plain(tokens, errors, deferred_seconds=owed)
+        return StepOutput.plain(tokens, errors, deferred_seconds=owed, target_logits=out.logits)

@@ -148,7 +148,8 @@ class DSparkWorker(DFlashWorker):
         result = accept_chains(out.logits, drafts, params, qs, generators, num_drafts=num_drafts)
         t3 = time.perf_counter()
         self._commit_round(slots, out, result, (t0, t1, t2, t3), owed)
-        return StepOutput(result.tokens, num_drafts, result.accepted, True, result.errors, deferred_seconds=owed)
+        return StepOutput(result.tokens, num_drafts, result.accepted, True, result.errors, deferred_seconds=owed,
+                          target_logits=out.logits)
 
     def _verify(self, slots: list[int], anchors: list[int], drafts: torch.Tensor, num_drafts: list[int]):
         """The target on ``[a, d1 … d_ℓ]`` per request: logits [B, 1 + max ℓ, V] and hidden, rows past

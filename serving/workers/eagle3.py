@@ -232,7 +232,8 @@ class Eagle3Worker:
         for phase, seconds in zip(self.phase_seconds, (t1 - t0, t2 - t1, t3 - t2, t4 - t3 + owed)):
             self.phase_seconds[phase] += seconds
         self.steps += 1
-        return StepOutput(result.tokens, [M - 1] * B, result.accepted, True, result.errors, deferred_seconds=owed)
+        return StepOutput(result.tokens, [M - 1] * B, result.accepted, True, result.errors, deferred_seconds=owed,
+                          target_logits=out.logits)
 
     def _extend_emitted(self, slots: list[int], features: torch.Tensor, emitted: list[list[int]]) -> None:
         """Draft extend: the target rows just committed (``features`` [B, T, L·D] of verify rows
@@ -254,4 +255,4 @@ class Eagle3Worker:
         if ok:
             self.deferred.push([slots[b] for b in ok], self._features(out)[ok, 0],
                                torch.tensor([tokens[b][0] for b in ok], device=self.device))
-        return StepOutput.plain(tokens, errors, deferred_seconds=owed)
+        return StepOutput.plain(tokens, errors, deferred_seconds=owed, target_logits=out.logits)

@@ -153,4 +153,4 @@ class Eagle3TreeWorker(Eagle3Worker):
         self.steps += 1
         accepted = [max(len(path) - 1, 0) for path in result.paths]
         return StepOutput(result.tokens, layout.depths.max(dim=1).values.tolist(), accepted, True, result.errors,
-                          deferred_seconds=owed)
+                          deferred_seconds=owed, target_logits=out.logits, target_rows=result.paths)

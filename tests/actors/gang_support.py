@@ -143,14 +143,17 @@ class Producer(threading.Thread):
 
 
 class Stream:
-    """A broker fed by a producer thread, over a file:// store in tmp_path."""
+    """A broker fed by a producer thread, over a file:// store in tmp_path (``num_samples`` samples,
+    at most ``max_inflight`` stored)."""
 
-    def __init__(self, tmp_path, target, **producer_options):
+    def __init__(self, tmp_path, target, *, num_samples: int = NUM_SAMPLES, max_inflight: int = MAX_INFLIGHT,
+                 **producer_options):
         self.store_uri = (tmp_path / "features").as_uri()
         self.store = FeatureStore(self.store_uri)
         contract = contract_of(target)
-        self.broker = start_sample_broker(4, max_inflight=MAX_INFLIGHT, contract=contract, store_uri=self.store_uri)
-        self.samples = samples("s", NUM_SAMPLES, target.vocab_size)
+        self.max_inflight = max_inflight
+        self.broker = start_sample_broker(4, max_inflight=max_inflight, contract=contract, store_uri=self.store_uri)
+        self.samples = samples("s", num_samples, target.vocab_size)
         self.producer = Producer(self.broker, CaptureServer(target, contract, self.store), self.samples,
                                  **producer_options)
         self.producer.start()
@@ -162,10 +165,10 @@ class Stream:
         self.producer.check()
         report = audit(Ledger(result.ledger_uri), source_ids=[s.sample_id for s in self.samples], store=self.store)
         assert report.ok, report.summary()
-        assert report.trained == NUM_SAMPLES
+        assert report.trained == len(self.samples)
         stats = ray.get(self.broker.stats.remote(), timeout=60)
         assert stats["ended"] and stats["inflight"] == 0
-        assert stats["peak_inflight"] <= MAX_INFLIGHT
+        assert stats["peak_inflight"] <= self.max_inflight
 
     def close(self) -> None:
         import ray

@@ -46,6 +46,22 @@ def test_refs_are_released_only_in_whole_windows():
         queue.try_window(0, 5)
 
 
+def test_a_stall_is_reported_only_while_no_window_can_be_cut():
+    """A waiter woken by the offer that filled a window may look before the ranks took it: no deadlock."""
+    queue = WindowQueue(4, max_inflight=8)
+    queue.rewind(0, quantum=4, world_size=1, step=0)
+    _offer(queue, "a", "b", "c", "d")
+    assert queue.try_window(0, 1)[1] is not None  # trained, waiting for a checkpoint: 4 of 8 held
+    _offer(queue, "e", "f", "g")
+    assert "window step 2 (3 of Q=4" in queue.stall_reason(window_waiters=1, reserve_waiters=1)  # a batch of 2 waits
+    assert queue.try_reserve(1, 100)
+    assert queue.stall_reason(window_waiters=1, reserve_waiters=1) is None  # a producer holds a reservation
+    queue.offer([_ref("h")], reserved_bytes=100)  # 8 of 8: the window of step 2 can be cut, not yet taken
+    assert queue.stall_reason(window_waiters=1, reserve_waiters=1) is None
+    assert _ids(queue.try_window(0, 2)[1]) == ["e", "f", "g", "h"]
+    assert "deadlock: all 1 ranks wait for window step 3" in queue.stall_reason(window_waiters=1, reserve_waiters=1)
+
+
 def test_a_bound_below_the_quantum_is_refused_with_the_fix():
     fix = r"max_inflight=3 features is below the window quantum Q=4 .*Raise max_inflight to at least 4"
     with pytest.raises(ValueError, match=fix):

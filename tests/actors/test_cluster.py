@@ -1,10 +1,12 @@
-"""Joining Ray: the shared test cluster is local and on loopback, and the ``ray start
---head`` recipe of docs/pipeline.md (token authentication) works on a machine that never made a Ray token."""
+"""Joining Ray: the shared test cluster is local and on loopback, ``specray serve`` from a fresh HOME
+listens on loopback only, ``connect`` forwards no credentials, and the ``ray start --head`` recipe
+of docs/pipeline.md (token authentication) works on a machine that never made a Ray token."""
 
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from ports import free_port
+from ray_processes import bound_sockets, is_loopback, processes_of, stop_only
 
 pytestmark = pytest.mark.ray
 
@@ -36,36 +39,6 @@ def _docs_recipe() -> list[str]:
     start = text.index("```bash", text.index("## `ray job submit`"))
     block = text[start + len("```bash"):text.index("```", start + len("```bash"))]
     return [line.split("  #")[0].strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
-
-
-def _processes_of(pgid: int, marker: str) -> list[int]:
-    """PIDs in our process group, or whose command line names our head's temp dir (nothing else)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            mine = os.getpgid(int(entry.name)) == pgid
-            mine = mine or marker in (entry / "cmdline").read_bytes().decode(errors="replace")
-        except (ProcessLookupError, FileNotFoundError, PermissionError):
-            continue
-        if mine:
-            pids.append(int(entry.name))
-    return pids
-
-
-def _stop_only(pgid: int, marker: str) -> list[int]:
-    """Stop the head node this test started, by PID (``ray stop`` would stop every Ray on the host)."""
-    for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
-        for pid in _processes_of(pgid, marker):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + grace
-        while _processes_of(pgid, marker) and time.monotonic() < deadline:
-            time.sleep(0.5)
-    return _processes_of(pgid, marker)
 
 
 def test_the_docs_head_node_recipe_works_from_a_fresh_home(ray_cluster, tmp_path):
@@ -104,7 +77,94 @@ def test_the_docs_head_node_recipe_works_from_a_fresh_home(ray_cluster, tmp_path
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        left = _stop_only(proc.pid, temp_dir)
+        left = stop_only(proc.pid, temp_dir)
         if not left:
             shutil.rmtree(temp_dir, ignore_errors=True)
     assert left == [], f"processes of the test's head node still running: {left}"
+
+
+def test_connect_forwards_settings_never_credentials():
+    from specray.actors.cluster import FORWARDED_ENV
+
+    assert "SPECRAY_S3_ENDPOINT" in FORWARDED_ENV and "AWS_DEFAULT_REGION" in FORWARDED_ENV
+    secret = [k for k in FORWARDED_ENV if any(w in k for w in ("SECRET", "KEY", "TOKEN", "PASSWORD", "SESSION"))]
+    assert secret == [], f"connect() would put these into every job's runtime_env: {secret}"
+
+
+def test_a_submitted_jobs_own_variables_are_not_set_again(monkeypatch):
+    """Under ``ray job submit --runtime-env-json`` (a RayJob's runtimeEnvYAML) Ray refuses a driver whose
+    runtime env sets a variable the job's sets too: connect() leaves those to the job."""
+    import json
+
+    import ray
+    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
+
+    from specray.actors import cluster
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("SPECRAY_S3_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t")
+    monkeypatch.setenv(RAY_JOB_CONFIG_JSON_ENV_VAR,
+                       json.dumps({"runtime_env": {"env_vars": {"AWS_DEFAULT_REGION": "us-east-1"}}}))
+    cluster.connect("127.0.0.1:6379")
+    (kwargs,) = calls
+    assert kwargs["address"] == "127.0.0.1:6379"
+    forwarded = kwargs["runtime_env"]["env_vars"]
+    assert forwarded["SPECRAY_S3_ENDPOINT"] == "http://127.0.0.1:9"
+    assert "AWS_DEFAULT_REGION" not in forwarded and "s3cr3t" not in json.dumps(kwargs)
+    monkeypatch.delenv(RAY_JOB_CONFIG_JSON_ENV_VAR)
+    cluster.connect("127.0.0.1:6379")
+    assert calls[1]["runtime_env"]["env_vars"]["AWS_DEFAULT_REGION"] == "us-east-1"
+
+
+def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        output = path.read_text(errors="replace")
+        if text in output:
+            return output
+        assert proc.poll() is None, f"exited with {proc.returncode}: {output[-3000:]}"
+        time.sleep(1)
+    raise AssertionError(f"no {text!r} within {timeout_s} s: {path.read_text(errors='replace')[-3000:]}")
+
+
+@pytest.mark.timeout(900)
+def test_specray_serve_from_a_fresh_home_listens_on_loopback_only(tmp_path):
+    """``specray serve -c manifests/serve.yaml`` as a user runs it: no RAY_* variable set (the Makefile's
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 neither), a HOME without ~/.ray. Every socket its Ray cluster and the
+    Serve proxy listen on (TCP) or bind (UDP) is on loopback."""
+    home = tmp_path / "home"
+    home.mkdir()
+    temp_dir = tempfile.mkdtemp(prefix="rs", dir="/tmp")  # Ray's root (RAY_TMPDIR): short, and our PID marker
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"HOME": str(home),
+                                                                              "RAY_TMPDIR": temp_dir}
+    argv = [str(Path(sys.executable).with_name("specray")), "serve", "-c", str(Path("manifests/serve.yaml").resolve()),
+            "target.name=debug", f"http.port={port}", "ray.num_cpus=2"]
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
+                                start_new_session=True)
+    try:
+        _wait_for(log, "serving    ", proc, 600)
+        time.sleep(5)  # the agents and the Serve proxy bind right after the first health answer
+        sockets = bound_sockets(processes_of(proc.pid, temp_dir))
+        exposed = sorted({s for s in sockets if not is_loopback(s[0])})
+        assert exposed == [], f"listening beyond loopback: {exposed}"
+        names = {name for _, _, name, _ in sockets}
+        assert {"gcs_server", "raylet"} <= names and port in {p for _, p, _, _ in sockets}, sockets
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)  # Ctrl-C: the CLI stops the app and its cluster
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        left = stop_only(proc.pid, temp_dir)
+        if not left:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+    assert left == [], f"processes of the test's cluster still running: {left}"

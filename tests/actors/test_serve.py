@@ -167,6 +167,78 @@ def test_concurrent_clients_and_hot_load_without_failures(served, debug_target):
     assert after.system_fingerprint == "specray-drafter-v2"
 
 
+def test_operators_pin_roll_back_and_see_what_replicas_serve(served, capsys):
+    """``specray registry`` while the replica serves: a pin holds an older version, unpin returns to
+    the newest good one, rollback falls back to the one before; ``status`` shows the replica's
+    version and live tau from its own reports."""
+    from specray.pipeline.cli import main
+
+    handle, client, registry, root = served
+    uri, metrics = str(root / "registry"), f"{handle.url}/metrics"
+
+    def serving(version: int, what: str) -> None:
+        _wait_for(lambda: _get(metrics)["active_version"] == version, 120, what)
+        reply = client.completions.create(model=handle.model, prompt="Once upon a time", **GREEDY)
+        assert reply.system_fingerprint == f"specray-drafter-v{version}"
+
+    assert main(["registry", "pin", "1", "--uri", uri]) == 0
+    serving(1, "the pinned version 1")
+    replica = _get(f"{handle.url}/health")["replica"]
+    report = _wait_for(lambda: [r for r in registry.replicas() if r["replica"] == replica and r["version"] == 1
+                                and r["pinned"] == 1], 60, "the replica's report of the pin")[0]
+    assert report["tau"] is not None and report["tau"] >= 1.0
+    capsys.readouterr()
+    assert main(["registry", "status", "--uri", uri, "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    [mine] = [r for r in status["replicas"] if r["replica"] == replica]
+    assert (mine["version"], mine["state"], status["pinned"], status["newest_good"]) == (1, "serving", 1, 2)
+    assert main(["registry", "unpin", "--uri", uri]) == 0
+    serving(2, "the newest good version 2 after unpin")
+    assert main(["registry", "rollback", "--uri", uri, "--reason", "test"]) == 0
+    serving(1, "version 1 after rolling back version 2")
+    assert main(["registry", "pin", "2", "--uri", uri]) == 0 and main(["registry", "unpin", "--uri", uri]) == 0
+    serving(2, "version 2 pinned again, then unpinned")
+
+
+def test_replica_metrics_reach_rays_prometheus_endpoint(served):
+    """``ReplicaMetrics``: Ray's own Prometheus endpoint holds the replica's engine stats, tagged with
+    its replica id and drafter version."""
+    import ray
+
+    handle, client, _, _ = served
+    client.completions.create(model=handle.model, prompt="Once upon a time", **GREEDY)
+    replica = _get(f"{handle.url}/health")["replica"]
+    port = ray._private.worker.global_worker.node.metrics_export_port
+
+    def scraped() -> list[str]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            lines = response.read().decode().splitlines()
+        return [line for line in lines if line.startswith("ray_specray_") and replica in line]
+
+    lines = _wait_for(lambda: (found := scraped()) and any(line.startswith("ray_specray_tau{") for line in found)
+                      and found, 120, "the replica's metrics in Ray's Prometheus endpoint")
+    tau = [line for line in lines if line.startswith("ray_specray_tau{")]
+    assert tau and all('version="' in line and 'model="debug"' in line for line in tau)
+    assert any(line.startswith("ray_specray_tokens_generated") for line in lines)
+    text = urllib.request.urlopen(urllib.request.Request(f"{handle.url}/metrics?format=prometheus",
+                                                         headers={"Authorization": f"Bearer {KEY}"})).read().decode()
+    assert f'specray_tokens_generated_total{{model="debug",replica="{replica}"}}' in text
+
+
+def test_logprobs_and_neutral_fields_through_serve(served):
+    handle, client, _, _ = served
+    chat = client.chat.completions.create(model=handle.model, messages=[{"role": "developer", "content": "Be brief."},
+                                                                        {"role": "user", "content": [
+                                                                            {"type": "text", "text": "Hi"}]}],
+                                          frequency_penalty=0, presence_penalty=0, logprobs=True, top_logprobs=2,
+                                          **GREEDY)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 12 and all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+    with pytest.raises(openai.BadRequestError, match="presence_penalty: not implemented"):
+        client.chat.completions.create(model=handle.model, messages=[{"role": "user", "content": "Hi"}],
+                                       presence_penalty=1.0)
+
+
 def test_a_killed_replica_is_replaced(served):
     import ray
 

@@ -22,6 +22,7 @@ from specray.trainer.export import export_checkpoint
 from specray.trainer.ledger import Ledger
 
 from gang_support import TIMEOUT_S, Stream, contract_of, offline_manifest, train_spec
+from tracking_support import mlflow_metrics, tensorboard_scalars, wandb_history
 
 pytestmark = pytest.mark.ray
 
@@ -146,8 +147,11 @@ def test_split_window_deals_whole_and_partial_windows_over_the_slots():
 def test_offline_manifest_run_exports_a_loadable_drafter(ray_cluster, debug_target, tmp_path):
     manifest = offline_manifest(tmp_path, debug_target)
     refs, store_uri, contract = read_manifest(manifest).refs, (tmp_path / "features").as_uri(), contract_of(debug_target)
+    tracking = tmp_path / "tracking"
     cfg = train_spec(tmp_path, "offline", f"data.manifest={manifest}", "optim.total_steps=4", "optim.accumulation_steps=1",
-                     "live_eval.enabled=true", "live_eval.num_prompts=2", "live_eval.max_tokens=6")
+                     "live_eval.enabled=true", "live_eval.num_prompts=2", "live_eval.max_tokens=6",
+                     f"tracking.tensorboard={tracking / 'tb'}", "tracking.wandb.project=gang", "tracking.wandb.mode=offline",
+                     f"tracking.wandb.dir={tracking / 'wandb'}", f"tracking.mlflow.uri=file:{tracking / 'mlruns'}")
     pushed = []
     result = run_trainer_gang(cfg, num_workers=2, storage_path=str(tmp_path / "ray"), timeout_s=TIMEOUT_S,
                               on_record=pushed.append)
@@ -158,6 +162,12 @@ def test_offline_manifest_run_exports_a_loadable_drafter(ray_cluster, debug_targ
                for r in result.metrics if "tau_live" in r)
     assert [r["step"] for r in pushed] == [1, 2, 2, 3, 4, 4]  # a checkpoint's record again, with its live fields
     assert pushed[2] == result.metrics[1] and pushed[-1] == result.metrics[-1]
+    # rank 0 logged every record to each tracker, the checkpoints' live fields included
+    for logged in (tensorboard_scalars(tracking / "tb"), wandb_history(tracking / "wandb"),
+                   mlflow_metrics((tracking / "mlruns").as_uri(), "specray")):
+        assert logged["loss"] == pytest.approx({r["step"]: r["loss"] for r in result.metrics})
+        assert logged["acc_by_pos/1"] == pytest.approx({r["step"]: r["acc_by_pos"][0] for r in result.metrics})
+        assert logged["tau_live"] == pytest.approx({r["step"]: r["tau_live"] for r in result.metrics if "tau_live" in r})
     assert len(result.attempts) == 1
     assert all(FeatureStore(store_uri).exists(r.key) for r in refs)  # manifests are immutable: nothing deleted
 

@@ -238,7 +238,8 @@ def test_peer_export_matches_the_speculators_model(debug_target, algorithm, voca
     if algorithm not in PEER_LAYOUTS:
         model = _peer_drafter(algorithm, debug_target, {}, draft_vocab)
         with pytest.raises(PeerFormatError, match="has no speculators layout"):
-            write_peer_export(export(model, debug_target, tmp_path / "export"), tmp_path / "peer", target=debug_target)
+            write_peer_export(export(model, debug_target, tmp_path / "export"), tmp_path / "peer", target=debug_target,
+                              verifier_name_or_path=str(debug_target.path))
         return
     assert algorithm in PEER_PARITY, (f"{algorithm} has a speculators layout (drafters/peer.py) but no parity "
                                       "harness: add it to PEER_PARITY in tests/conformance/test_conformance_export.py")
@@ -246,16 +247,18 @@ def test_peer_export_matches_the_speculators_model(debug_target, algorithm, voca
     if draft_vocab is not None and not case.draft_vocab:
         model = _peer_drafter(algorithm, debug_target, case.expressible, draft_vocab)
         with pytest.raises(PeerFormatError, match="cannot be exported in the speculators format"):
-            write_peer_export(export(model, debug_target, tmp_path / "export"), tmp_path / "peer", target=debug_target)
+            write_peer_export(export(model, debug_target, tmp_path / "export"), tmp_path / "peer", target=debug_target,
+                              verifier_name_or_path=str(debug_target.path))
         return
     for i, refused in enumerate(case.refused):
         model = _peer_drafter(algorithm, debug_target, {**case.expressible, **refused}, draft_vocab)
         with pytest.raises(PeerFormatError, match="cannot be exported in the speculators format"):
             write_peer_export(export(model, debug_target, tmp_path / f"refused{i}"), tmp_path / f"peer{i}",
-                              target=debug_target)
+                              target=debug_target, verifier_name_or_path=str(debug_target.path))
         assert not (tmp_path / f"peer{i}").exists()
     model = _peer_drafter(algorithm, debug_target, case.expressible, draft_vocab)
-    out = write_peer_export(export(model, debug_target, tmp_path / "export"), tmp_path / "peer", target=debug_target)
+    out = write_peer_export(export(model, debug_target, tmp_path / "export"), tmp_path / "peer", target=debug_target,
+                            verifier_name_or_path=str(debug_target.path))
     config = json.loads((out / "config.json").read_text())
     assert config["speculators_model_type"] == PEER_LAYOUTS[algorithm].model_type
     assert config["draft_vocab_size"] == (len(draft_vocab) if draft_vocab else debug_target.vocab_size)

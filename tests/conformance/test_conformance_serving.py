@@ -22,7 +22,7 @@ from specray.serving.engine import Engine
 from specray.serving.requests import encode_prompt
 from specray.serving.runner import LlamaRunner
 from specray.serving.sampling import SamplingParams, sample_next
-from specray.serving.workers import WORKERS, Worker
+from specray.serving.workers import TREE_WORKERS, WORKERS, Worker
 
 
 @pytest.mark.parametrize("kind", ["random", "one_token"])
@@ -144,3 +144,46 @@ def test_smollm2_greedy_equals_transformers_generate_on_mtbench(smollm2, smol_gr
     assert len(outputs) == SMOL_PROMPTS and not mismatched, f"MT-Bench prompts {mismatched} differ from generate"
     emitted = [n for out in outputs for n in out.emitted_per_round]
     assert any(n == 1 for n in emitted) and any(n > 1 for n in emitted), emitted
+
+
+# -- logprobs ---------------------------------------------------------------------------------
+
+
+def _check_logprobs(target, outputs, top: int) -> None:
+    """Each output token's logprob and top alternatives are the target's raw log-softmax at its
+    position, computed by transformers over the whole sequence."""
+    for out in outputs:
+        ids = out.prompt_ids + out.token_ids
+        with torch.inference_mode():
+            logits = target.model(torch.tensor([ids])).logits[0].float()  # [T, V]
+        ref = logits[len(out.prompt_ids) - 1 : len(ids) - 1].log_softmax(-1)  # [n, V]: the row each token came from
+        assert len(out.logprobs) == len(out.token_ids)
+        assert [lp.token_id for lp in out.logprobs] == out.token_ids
+        got = torch.tensor([lp.logprob for lp in out.logprobs])
+        torch.testing.assert_close(got, ref.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0], atol=1e-4, rtol=0)
+        values, index = ref.topk(top, dim=-1)
+        assert [[i for i, _ in lp.top] for lp in out.logprobs] == index.tolist()
+        torch.testing.assert_close(torch.tensor([[v for _, v in lp.top] for lp in out.logprobs]), values,
+                                   atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.3])
+def test_logprobs_are_the_targets_at_every_emitted_position(debug_target, debug_drafter, algorithm, temperature,
+                                                            tmp_path):
+    """Speculative rounds emit several tokens per target forward: each one's logprob is read from
+    the verify row it was drawn from, exactly what decoding one token at a time would report."""
+    engine = Engine(debug_target, export(debug_drafter(algorithm, "one_token"), debug_target, tmp_path / "export"),
+                    max_batch=len(PROMPTS), max_len=512, speculation="static")
+    outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, temperature=temperature, seed=3, logprobs=3))
+    _check_logprobs(debug_target, outputs, 3)
+    assert any(n > 1 for out in outputs for n in out.emitted_per_round)  # rounds that emitted accepted drafts
+    assert engine.generate(PROMPTS[:1], SamplingParams(max_tokens=4))[0].logprobs is None  # off unless asked
+
+
+@pytest.mark.parametrize("algorithm", sorted(TREE_WORKERS))
+def test_logprobs_of_draft_trees_follow_the_accepted_path(debug_target, debug_drafter, algorithm, tmp_path):
+    engine = Engine(debug_target, export(debug_drafter(algorithm, "random"), debug_target, tmp_path / "export"),
+                    max_batch=len(PROMPTS), max_len=512, speculation="static", tree=True)
+    outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, logprobs=2))
+    _check_logprobs(debug_target, outputs, 2)
+    assert any(n > 1 for out in outputs for n in out.emitted_per_round)

@@ -62,8 +62,10 @@ def save_export(tmp_path, target, model, vocab_size=None):
 
 
 def peer_export(tmp_path, target, model, vocab_size=None):
-    """``save_export``, then its speculators export under ``tmp_path / "peer"``; returns that directory."""
-    return write_peer_export(save_export(tmp_path, target, model, vocab_size), tmp_path / "peer", target=target)
+    """``save_export``, then its speculators export under ``tmp_path / "peer"`` with the target's
+    local directory as the verifier (what the peer model loads); returns that directory."""
+    return write_peer_export(save_export(tmp_path, target, model, vocab_size), tmp_path / "peer", target=target,
+                             verifier_name_or_path=str(target.path))
 
 
 def peer_model(model_cls, path):

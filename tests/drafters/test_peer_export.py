@@ -89,7 +89,8 @@ def test_eagle3_speculators_parity(debug_target, tmp_path, vocab_size, norm_befo
 def test_speculators_config_and_provenance(debug_target, tmp_path):
     model = _dflash(debug_target, draft_vocab_size=40)
     export = save_export(tmp_path, debug_target, model, 40)
-    out = write_peer_export(export, tmp_path / "peer", target=debug_target)
+    out = write_peer_export(export, tmp_path / "peer", target=debug_target,
+                            verifier_name_or_path=str(debug_target.path))
     config = json.loads((out / "config.json").read_text())
     assert config["speculators_model_type"] == "dflash"
     assert config["aux_hidden_state_layer_ids"] == [2, 4, 6]
@@ -140,3 +141,47 @@ def test_cli_export_speculators(debug_target, tmp_path, capsys):
     biased = save_export(tmp_path / "biased", debug_target, _dflash(debug_target, block_key_bias=4.0))
     assert main(["export", str(biased), "--format", "speculators"]) == 2
     assert "drafter.block_key_bias" in capsys.readouterr().err
+
+
+def test_speculators_config_carries_the_legacy_rope_keys(debug_target, tmp_path):
+    """transformers 4.x (the vLLM versions most deployed) reads the top-level ``rope_theta`` only: without
+    it, theta = 10000 and acceptance collapses without an error."""
+    model = _dflash(debug_target, rope_theta=500000.0)
+    out = write_peer_export(save_export(tmp_path, debug_target, model), tmp_path / "peer", target=debug_target)
+    config = json.loads((out / "config.json").read_text())
+    layer = config["transformer_layer_config"]
+    assert layer["rope_theta"] == 500000.0 and layer["rope_parameters"] == {"rope_type": "default",
+                                                                            "rope_theta": 500000.0}
+    assert config["rope_theta"] == 500000.0  # and at the top level
+    assert "rope_scaling" not in layer and "rope_scaling" not in config  # the default type has no scaling fields
+
+
+def test_rope_fields_write_a_scaled_rope_in_both_encodings():
+    from transformers import LlamaConfig
+
+    from specray.drafters.peer import rope_fields
+
+    llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    for arch in ({"rope_parameters": llama3, "rope_theta": 500000.0},
+                 {"rope_scaling": {k: v for k, v in llama3.items() if k != "rope_theta"}, "rope_theta": 500000.0}):
+        fields = rope_fields(arch)
+        assert fields["rope_parameters"] == llama3 and fields["rope_theta"] == 500000.0
+        assert fields["rope_scaling"] == {k: v for k, v in llama3.items() if k != "rope_theta"}
+        legacy = LlamaConfig(rope_theta=fields["rope_theta"], rope_scaling=fields["rope_scaling"],
+                             max_position_embeddings=131072)  # how a legacy-keys reader builds it
+        assert legacy.rope_parameters == llama3
+        assert LlamaConfig(max_position_embeddings=131072, **fields).rope_parameters == llama3
+
+
+def test_the_verifier_is_the_recorded_name_or_the_one_named(debug_target, tmp_path):
+    export = save_export(tmp_path, debug_target, _dflash(debug_target))
+    out = write_peer_export(export, tmp_path / "peer", target=debug_target)
+    verifier = json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]
+    assert verifier["name_or_path"] == "debug"  # export.json's target, not the local cache directory
+    assert verifier["architectures"] == ["LlamaForCausalLM"]
+    named = write_peer_export(export, tmp_path / "named", target=debug_target, verifier_name_or_path="org/model")
+    assert json.loads((named / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == \
+        "org/model"
+    assert "base_model: org/model" in (named / "README.md").read_text()
+    assert all(p.stat().st_mode & 0o777 == 0o644 for p in named.iterdir())

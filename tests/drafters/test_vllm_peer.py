@@ -161,7 +161,8 @@ def test_vllm_serves_the_speculators_export(smollm2, answers, tmp_path, algorith
                               hidden_size=smollm2.hidden_size, layer_ids=layer_ids)
     export = save_drafter(tmp_path / "export", model, contract=json.loads(contract.to_json()),
                           provenance={"run": "memorised", "target": smollm2.name})
-    peer = write_peer_export(export, tmp_path / "export-speculators", target=smollm2)
+    peer = write_peer_export(export, tmp_path / "export-speculators", target=smollm2,
+                             verifier_name_or_path=str(smollm2.path))
 
     ours_tokens, ours_acceptance = _ours(smollm2, export, prompts)
     vllm = _vllm(smollm2, peer, prompts, tmp_path)

@@ -373,6 +373,7 @@ def _on_cuda(kw: dict) -> dict:
     return {k: v.cuda() for k, v in kw.items()}
 
 
+@pytest.mark.cuda
 @CUDA
 @pytest.mark.parametrize("shape", [(12, 4, 150), (64, 7, 49152)], ids=["small", "smollm2_vocab"])
 @pytest.mark.parametrize("kind", ["greedy", "sampling", "mixed"])
@@ -390,6 +391,7 @@ def test_triton_cuda_matches_reference(kind, shape):
     assert 1 < emitted.float().mean() < m + 1, "the batch should mix acceptances and rejections"
 
 
+@pytest.mark.cuda
 @CUDA
 def test_output_distribution_matches_target_cuda():
     """The statistical losslessness test through the compiled kernel (q != p; randoms drawn on the CPU)."""

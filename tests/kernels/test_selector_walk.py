@@ -68,6 +68,7 @@ def test_triton_walk_equals_the_reference(K):
     assert torch.allclose(ref_q.sum(-1), torch.ones(R, m))
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                     reason="needs a CUDA GPU and compiled Triton (TRITON_INTERPRET=0)")
 def test_triton_cuda_walk_matches_reference():

@@ -54,6 +54,7 @@ def test_bad_inputs_are_refused():
         schedule_verify_lens(torch.ones(1, 2), -1)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_cuda_kernel_matches_the_reference():
     survival = torch.rand(64, 8).cumprod(-1)

@@ -70,6 +70,23 @@ def test_an_export_of_another_architecture_is_refused_before_serving(debug_targe
         check_starts_from(section.model_copy(update={"block_size": 8}), export)
 
 
+def test_a_peer_drafter_directory_starts_the_loop_as_its_import(debug_target, tmp_path):
+    from specray.drafters.peer import write_peer_export
+    from specray.pipeline.jobs.closed_loop import _imported, check_starts_from
+    from specray.serving.registry import DrafterRegistry
+
+    cfg = load_config(PipelineConfig, "manifests/closed-loop.yaml", [*TINY, f"output.run_dir={tmp_path}"])
+    export = _export(debug_target, cfg.train.drafter, tmp_path / "export")
+    peer = write_peer_export(export, tmp_path / "speculators", target=debug_target)  # what vLLM would serve
+    imported = _imported(cfg, str(peer))
+    assert imported != str(peer) and json.loads((Path(imported) / "export.json").read_text())["imported_format"] == \
+        "speculators"
+    assert json.loads((Path(imported) / "config.json").read_text())["capture_contract"]["dtype"] == cfg.capture.dtype
+    check_starts_from(cfg.train.drafter, imported)
+    assert DrafterRegistry(str(tmp_path / "registry")).publish(imported) == 1
+    assert _imported(cfg, export) == export  # an export is published as it is
+
+
 def test_the_loop_needs_serving_and_a_fixed_number_of_replicas():
     with pytest.raises(ConfigError, match="serve.enabled=true"):
         load_config(PipelineConfig, "manifests/closed-loop.yaml", ["serve.enabled=false"])

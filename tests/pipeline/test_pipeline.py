@@ -94,6 +94,7 @@ def test_online_pipeline_survives_a_killed_capture_actor(ray_cluster, tmp_path):
     cfg = load_config(PipelineConfig, "manifests/online.yaml", [
         *TINY, "data.max_samples=16", "capture.num_actors=2", "online.max_inflight_samples=6",
         "serve.enabled=false", "bench.enabled=false", f"output.run_dir={tmp_path / 'online'}",
+        f"train.tracking.tensorboard={tmp_path / 'tensorboard'}",
     ])
     report, handle = _run_while_killing(cfg, _kill_one_capture_actor, ray_cluster.dashboard_url)
     assert handle is None
@@ -106,6 +107,12 @@ def test_online_pipeline_survives_a_killed_capture_actor(ray_cluster, tmp_path):
     # be lost or duplicated, which the audit above checks. tests/actors covers the in-flight case.
     assert not any((tmp_path / "online" / "features").rglob("*.safetensors"))
     assert set(report.stage_seconds) == {"capture+train", "export"}
+    from tracking_support import tensorboard_scalars  # the gang's rank 0 logged to train.tracking's TensorBoard
+
+    logged = tensorboard_scalars(tmp_path / "tensorboard")
+    records = [json.loads(line) for line in (tmp_path / "online" / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert logged["loss"] == pytest.approx({r["step"]: r["loss"] for r in records})  # every record, at its step
+    assert logged["tau_live"] == pytest.approx({r["step"]: r["tau_live"] for r in records if "tau_live" in r})
 
 
 def _kill_capture_actor_once_it_owns(store_name: str, keys: int, address: str, done: threading.Event,
@@ -180,7 +187,13 @@ def _kill_driver_after_a_checkpoint(ray_cluster, manifest: str, overrides: list[
         time.sleep(0.5)
 
 
-def test_online_pipeline_resumes_after_its_driver_is_killed(ray_cluster, tmp_path):
+@pytest.mark.parametrize("resume_overrides, bound", [
+    pytest.param([], 6, id="same-gang"),
+    # Q = 2 -> 4: one pass is 10 windows of 4, but the resumed gang is at step >= 2 already; its
+    # target counts the samples left (2 + 9 or more steps), not the pass at the new Q.
+    pytest.param(["train.optim.micro_batch_size=4", "online.max_inflight_samples=8"], 8, id="larger-gang"),
+])
+def test_online_pipeline_resumes_after_its_driver_is_killed(ray_cluster, tmp_path, resume_overrides, bound):
     """SIGKILL the driver after the first checkpoint; ``--resume`` finishes the stream exactly once."""
     from specray.pipeline.jobs.pipeline import run_pipeline
     from specray.trainer.ledger import Ledger
@@ -198,17 +211,19 @@ def test_online_pipeline_resumes_after_its_driver_is_killed(ray_cluster, tmp_pat
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"another dataset's features")
 
-    cfg = load_config(PipelineConfig, "manifests/online.yaml", overrides)
+    cfg = load_config(PipelineConfig, "manifests/online.yaml", [*overrides, *resume_overrides])
     report, _ = run_pipeline(cfg, progress=False, resume=True)
     online = report.online
-    _assert_exactly_once(online)
+    _assert_exactly_once(online)  # none missing: the resumed gang trained every sample left
     assert all(path.read_bytes() == b"another dataset's features" for path in foreign)
     dispatched_before = {r.sample_id for refs in before.windows.values() for r in refs}
     assert online["resumed_dispatched"] == len(dispatched_before) > 0
     # the resumed producer captured only what the first driver never dispatched
     assert online["capture"]["samples"] == online["audit"]["trained"] - len(dispatched_before)
-    assert len(Ledger(online["ledger"]).replay().attempts) >= 2  # the killed run's attempt and the resumed one
-    assert online["peak_inflight_samples"] <= 6
+    attempts = Ledger(online["ledger"]).replay().attempts
+    assert len(attempts) >= 2  # the killed run's attempt and the resumed one
+    assert attempts[max(attempts)]["quantum"] == (4 if resume_overrides else 2)
+    assert online["peak_inflight_samples"] <= bound
 
 
 def test_offline_pipeline_resumes_after_its_driver_is_killed(ray_cluster, tmp_path):

@@ -46,3 +46,16 @@ def test_bad_limits_are_refused_naming_the_field():
         build_app({"limits": {"max_body_bytes": 0}})
     with pytest.raises(ValueError, match="unknown application args \\['http'\\]"):
         build_app({"http": {}})
+
+
+def test_a_key_from_a_secret_written_with_echo_is_stripped(monkeypatch, caplog):
+    """A Kubernetes secret made with ``echo`` ends in a newline: the replicas compare the key
+    without it (a warning says so), and a key of whitespace only is refused at start-up."""
+    monkeypatch.setenv("SPECRAY_API_KEY", "sk-from-the-secret\n")
+    spec = _spec(build_app({"config": "manifests/serve.yaml"}))
+    assert spec.api_key == "sk-from-the-secret" and "trailing whitespace" in caplog.text
+    client = TestClient(_replica_app(spec), client=("10.0.0.12", 51000))
+    assert client.get("/v1/models", headers={"Authorization": "Bearer sk-from-the-secret"}).status_code == 200
+    monkeypatch.setenv("SPECRAY_API_KEY", " \n")
+    with pytest.raises(ValueError, match="empty or only whitespace"):
+        build_app({"config": "manifests/serve.yaml"})

@@ -59,8 +59,8 @@ def _asgi(app, path: str, headers: list[tuple[bytes, bytes]], chunks: list[bytes
     read, sent = [], []
 
     async def receive():
-        if not chunks:
-            return {"type": "http.disconnect"}
+        if not chunks:  # the client waits for its answer; it disconnects only once it is sent
+            await asyncio.Event().wait()
         read.append(chunks.pop(0))
         return {"type": "http.request", "body": read[-1], "more_body": bool(chunks)}
 
@@ -195,7 +195,7 @@ def test_stop_strings_are_bounded(engine, stop, message):
     (b"[1, 2]", {"Content-Type": "application/json"}, None, "the body must be a JSON object"),
     (b'"x"', {"Content-Type": "application/json"}, None, "the body must be a JSON object"),
     (b'{"prompt": "x"}', {"Content-Type": "text/plain"}, None, "Content-Type: application/json"),
-    (b'{"prompt": {"a": 1}}', {"Content-Type": "application/json"}, "prompt", "valid string"),
+    (b'{"prompt": {"a": 1}}', {"Content-Type": "application/json"}, "prompt", "a string or a list of token ids"),
     (b'{"prompt": "x", "max_tokens": "many"}', {"Content-Type": "application/json"}, "max_tokens", "valid integer"),
     (b'{"prompt": "x", "stream": "often"}', {"Content-Type": "application/json"}, "stream", "valid boolean"),
     (b'{"prompt": "x", "seed": 1180591620717411303424}', {"Content-Type": "application/json"}, "seed", "less than"),

@@ -1,14 +1,19 @@
 """DrafterRegistry on file:// and s3:// (SeaweedFS): monotonic versions, a version is visible only
-once complete, pulls are local copies; and the poller hands new versions to the engine."""
+once complete, concurrent publishers never share a number, pulls are local copies; pins,
+rejections, replica reports and load attempts (the poller's side is tests/serving/test_poller.py)."""
 
 import json
 import re
-from concurrent.futures import Future
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from unittest.mock import ANY
 
 import pytest
 
-from specray.serving.registry import MARKER, DrafterRegistry, RegistryPoller, RejectedVersionError
+from specray.serving.registry import (MARKER, OPERATOR, ConditionalWriteError, DrafterRegistry, Rejection,
+                                      RejectedVersionError)
 
 
 def _export(path, weights: bytes):
@@ -53,46 +58,6 @@ def test_a_version_without_its_marker_is_invisible_and_not_reused(registry, tmp_
         registry.pull(2, tmp_path / "cache")
     assert registry.publish(_export(tmp_path / "b", b"B")) == 3
     assert registry.versions() == [1, 3]
-
-
-class _FakeEngine:
-    """Records load_drafter calls; rejects the directories named in ``reject``."""
-
-    def __init__(self, reject=()):
-        self.loaded, self.reject = [], set(reject)
-
-    def load_drafter(self, path, version):
-        future = Future()
-        self.loaded.append(version)
-        if version in self.reject:
-            future.set_exception(ValueError(f"bad export {path}"))
-        else:
-            future.set_result(version)
-        return future
-
-
-def test_poller_loads_each_new_version_once(tmp_path):
-    registry = DrafterRegistry(str(tmp_path / "registry"))
-    engine = _FakeEngine(reject={2})
-    poller = RegistryPoller(registry, engine, cache_dir=tmp_path / "cache", interval_s=0.05)
-    assert poller.poll() is None and engine.loaded == []
-    registry.publish(_export(tmp_path / "a", b"A"))
-    assert poller.poll() == 1 and poller.poll() is None
-    registry.publish(_export(tmp_path / "b", b"B"))
-    assert poller.poll() is None and "version 2 rejected: bad export" in poller.last_error
-    assert poller.poll() is None  # a rejected version is not retried
-    registry.publish(_export(tmp_path / "c", b"C"))
-    poller.start()
-    try:
-        for _ in range(200):
-            if engine.loaded[-1] == 3:
-                break
-            poller._stop.wait(0.05)
-    finally:
-        poller.stop()
-    assert engine.loaded == [1, 2, 3] and poller.last_error is None
-    with pytest.raises(ValueError, match="interval_s must be > 0"):
-        RegistryPoller(registry, engine, cache_dir=tmp_path, interval_s=0)
 
 
 def _forge(registry, version: int, files: dict[str, bytes], listed: dict | None = None):
@@ -141,33 +106,6 @@ def test_pull_refuses_a_symlinked_file(tmp_path):
     assert not list((tmp_path / "cache").rglob("export.json"))
 
 
-def test_poller_reports_a_rejected_pull_and_keeps_the_old_version(tmp_path):
-    registry = DrafterRegistry(str(tmp_path / "registry"))
-    engine = _FakeEngine()
-    poller = RegistryPoller(registry, engine, cache_dir=tmp_path / "cache", interval_s=0.05)
-    registry.publish(_export(tmp_path / "a", b"A"))
-    assert poller.poll() == 1
-    _forge(registry, 2, {"config.json": b"{}"}, {"config.json": 2, "../../../escaped": 1})
-    assert poller.poll() is None and engine.loaded == [1]  # never handed to the engine
-    assert poller.last_error.startswith("version 2 rejected:") and "'../../../escaped'" in poller.last_error
-    assert poller.poll() is None and poller.seen == 2  # not retried
-    assert not (tmp_path / "escaped").exists()
-
-
-def test_a_replica_started_after_a_bad_publish_serves_the_newest_good_version(tmp_path):
-    registry = DrafterRegistry(str(tmp_path / "registry"))
-    registry.publish(_export(tmp_path / "a", b"A"))
-    registry.publish(_export(tmp_path / "b", b"B"))
-    _forge(registry, 3, {"config.json": b"{}"}, {"config.json": 2, "../escaped": 1})
-    engine = _FakeEngine(reject={2})  # v3 is refused by the registry, v2 by the engine
-    poller = RegistryPoller(registry, engine, cache_dir=tmp_path / "cache", interval_s=0.05)
-    assert poller.poll() == 1 and engine.loaded == [2, 1]  # newest first, down to the newest good one
-    assert "version 3 rejected:" in poller.last_error and "version 2 rejected: bad export" in poller.last_error
-    assert poller.poll() is None and engine.loaded == [2, 1]  # none of them is tried again
-    registry.publish(_export(tmp_path / "d", b"D"))
-    assert poller.poll() == 4 and poller.last_error is None
-
-
 def test_publish_refuses_files_that_are_not_export_files(tmp_path):
     registry = DrafterRegistry(str(tmp_path / "registry"))
     export = _export(tmp_path / "a", b"A")
@@ -175,3 +113,100 @@ def test_publish_refuses_files_that_are_not_export_files(tmp_path):
     with pytest.raises(ValueError, match=r"notes.txt.*config.json, export.json, model.safetensors"):
         registry.publish(export)
     assert registry.versions() == []
+
+
+def _own_fs(registry):
+    """A registry with a filesystem instance of its own (its own S3 session): what another process has."""
+    fresh = DrafterRegistry(registry.uri, endpoint_url=None)
+    if registry.protocol == "s3":
+        import s3fs
+
+        fresh.fs = s3fs.S3FileSystem(client_kwargs=registry.fs.client_kwargs, skip_instance_cache=True)
+    return fresh
+
+
+def test_concurrent_publishers_never_share_a_version(registry, tmp_path):
+    """Publishers that list the registry at the same instant all see the same next number; the
+    exclusive CLAIM gives it to one, the others take the next ones. Every version holds exactly
+    the export its publisher was told it got."""
+    publishers, rounds = 6, 2
+    exports = {(p, r): _export(tmp_path / f"p{p}-r{r}", f"publisher {p} round {r} ".encode() * 50)
+               for p in range(publishers) for r in range(rounds)}
+    registry.publish(_export(tmp_path / "first", b"first"))  # the root exists before the race
+    barrier = threading.Barrier(publishers)
+
+    def publish(p: int) -> list[tuple[int, tuple[int, int]]]:
+        mine = _own_fs(registry)
+        got = []
+        for r in range(rounds):
+            barrier.wait()
+            got.append((mine.publish(exports[p, r]), (p, r)))
+        return got
+
+    with ThreadPoolExecutor(publishers) as pool:
+        published = [item for got in pool.map(publish, range(publishers)) for item in got]
+    numbers = [v for v, _ in published]
+    assert sorted(numbers) == list(range(2, 2 + publishers * rounds))  # distinct, none skipped or lost
+    assert registry.versions() == list(range(1, 2 + publishers * rounds))
+    for version, key in published:
+        local = registry.pull(version, tmp_path / "cache")
+        assert (local / "model.safetensors").read_bytes() == (exports[key] / "model.safetensors").read_bytes()
+        assert json.loads((local / MARKER).read_text())["source"] == str(exports[key].resolve())
+
+
+@pytest.mark.s3
+def test_publish_refuses_an_s3_server_that_ignores_if_none_match(seaweedfs, tmp_path, monkeypatch):
+    registry = DrafterRegistry(seaweedfs.uri(f"ignoring-{tmp_path.name}"), endpoint_url=seaweedfs.endpoint)
+    plain_pipe = registry.fs.pipe_file
+    monkeypatch.setattr(registry.fs, "pipe_file", lambda path, data, mode="overwrite", **kw: plain_pipe(path, data))
+    with pytest.raises(ConditionalWriteError, match="does not honour 'If-None-Match: \\*'"):
+        registry.publish(_export(tmp_path / "a", b"A"))
+    registry.fs.invalidate_cache()
+    assert registry.versions() == []
+    assert [p for p in registry.fs.find(registry.root) if p != registry.root] == []  # not even the probe is left
+
+
+def test_pin_unpin_and_rejections(registry, tmp_path):
+    for name in "abc":
+        registry.publish(_export(tmp_path / name, name.encode()))
+    assert registry.pinned() is None and registry.unpin() is None
+    registry.pin(2, reason="canary")
+    assert registry.pinned() == 2
+    assert registry.unpin() == 2 and registry.pinned() is None
+    with pytest.raises(ValueError, match=r"no complete version 9 to pin; it has \[1, 2, 3\]"):
+        registry.pin(9)
+
+    registry.reject(3, OPERATOR, "rolled back")
+    registry.reject(2, "target-aaaa", "InvalidDrafterError: trained for another target")
+    assert registry.rejected_for("target-aaaa") == {
+        2: Rejection(2, "target-aaaa", "InvalidDrafterError: trained for another target", ANY, ANY),
+        3: Rejection(3, OPERATOR, "rolled back", ANY, ANY)}
+    assert set(registry.rejected_for("target-bbbb")) == {3}  # another target's replicas may still serve 2
+    with pytest.raises(ValueError, match="version 2 was rejected \\(target-aaaa: InvalidDrafterError"):
+        registry.pin(2)
+    registry.pin(3)  # pinning a rolled-back version lifts the operator's rejection
+    assert registry.pinned() == 3 and 3 not in registry.rejections()
+    with pytest.raises(ValueError, match="one path component"):
+        registry.reject(1, "../escape", "x")
+
+    registry.fs.pipe_file(f"{registry.root}/PIN", b'{"version": "three"}')
+    with pytest.raises(ValueError, match="PIN does not name a version"):
+        registry.pinned()
+    registry.fs.makedirs(f"{registry.root}/rejected/v000001", exist_ok=True)
+    registry.fs.pipe_file(f"{registry.root}/rejected/v000001/operator.json", b"not json")
+    assert set(registry.rejections()) == {2}  # a garbled record is ignored (logged), not fatal
+
+
+def test_replica_reports_and_load_attempts(registry):
+    registry.report("replica-b", {"version": 2, "tau": 2.5})
+    registry.report("replica-a", {"version": 1, "tau": None})
+    reports = registry.replicas()
+    assert [(r["replica"], r["version"], r["tau"]) for r in reports] == [("replica-b", 2, 2.5), ("replica-a", 1, None)]
+    assert all(time.time() - r["reported_at"] < 60 for r in reports)
+    registry.forget("replica-b")
+    assert [r["replica"] for r in registry.replicas()] == ["replica-a"]
+
+    path = registry.begin_attempt(4, "owner-1", "replica-a")
+    assert [(a["owner"], a["replica"]) for a in registry.attempts(4)] == [("owner-1", "replica-a")]
+    registry.end_attempt(path)
+    assert registry.attempts(4) == []

@@ -1,13 +1,30 @@
-"""The ack ledger: atomic append, replay, lineage across attempts, recovery plan, audit, torn txns."""
+"""The ack ledger: atomic append, replay, lineage across attempts, recovery plan, audit, torn txns,
+the writer's checks, temp files of killed appends, a stream started from another ledger's checkpoint.
+
+(Snapshots: tests/trainer/test_ledger_snapshots.py.)"""
 
 import json
+import multiprocessing
 import os
+import re
+import signal
 
 import pytest
 import torch
 
 from specray.capture.store import FeatureStore, SampleRef, TensorMeta, temp_name
-from specray.trainer.ledger import Ledger, LedgerError, audit, recovery_plan
+from specray.trainer.ledger import Ledger, LedgerError, LedgerState, audit, recovery_plan
+
+
+class Unchecked(Ledger):
+    """A writer without the writer's checks: it writes histories replay must refuse (as a second
+    writer or a damaged backup would leave them), to test replay. No snapshots."""
+
+    def _check(self, txn) -> None:
+        self._state = LedgerState(seq=txn.seq)
+
+    def _write_snapshot(self, seq, txn_data) -> None:
+        pass
 
 
 def _ref(sample_id: str) -> SampleRef:
@@ -54,7 +71,7 @@ def test_append_writes_one_atomic_file_per_txn_and_replays_in_order(tmp_path):
     assert ledger.replay().windows["w1"] == _refs("a", "b")  # refs round-trip in full
 
     with pytest.raises(LedgerError, match="txn-0000000002.json already exists: another process"):
-        ledger.checkpointed(0, 1, "ck")  # the first writer's cached seq is stale: a second writer
+        ledger.deleted([], [])  # the first writer's state is stale: a second writer
     with pytest.raises(ValueError, match=r"a 'trained' transaction needs \['sample_ids'\]"):
         again.append("trained", attempt=0, step=1, window="w1")
 
@@ -62,6 +79,8 @@ def test_append_writes_one_atomic_file_per_txn_and_replays_in_order(tmp_path):
 def test_torn_or_missing_txn_is_an_error_naming_the_file(tmp_path):
     ledger = Ledger(str(tmp_path))
     _crashed_then_resumed(ledger)
+    for snapshot in tmp_path.glob("snapshot-*"):  # replay reads txns a snapshot covers only without it
+        snapshot.unlink()
     torn = tmp_path / "txn-0000000005.json"
     good = torn.read_bytes()
     torn.write_bytes(good[: len(good) // 2])
@@ -171,7 +190,8 @@ def test_ledger_on_s3(seaweedfs):
         ledger.deleted([], [])
     ledger.fs.pipe_file(f"{ledger.root}/txn-0000000003.json", b'{"seq": 3, "ki')
     with pytest.raises(LedgerError, match="txn-0000000003.json is torn"):
-        ledger.replay()
+        ledger.replay(full=True)
+    assert ledger.replay().lineage(1, 3) == state.lineage(1, 3)  # the snapshot of txn 11 covers txn 3
 
 
 def _started(ledger: Ledger, *steps: tuple[str, str]) -> None:
@@ -220,22 +240,115 @@ def _parent_recorded_after_its_child(ledger):
     ledger.attempt(1, parent=(0, 0), world_size=1, quantum=2, checkpoint="ck", run="r")
 
 
-@pytest.mark.parametrize("history, error", [
+def _resumed_from_an_unrecorded_checkpoint(ledger):
+    _started(ledger, ("w1", "ab"))
+    ledger.attempt(1, parent=(0, 1), world_size=1, quantum=2, checkpoint="ck-0-1", run="r")
+
+
+def _checkpoint_of_an_unrecorded_attempt(ledger):  # e.g. another ledger's checkpoint appended to this one
+    _started(ledger, ("w1", "ab"))
+    ledger.checkpointed(4, 2, "other/checkpoint-a004-s00000002")
+
+
+def _parent_and_origin(ledger):
+    _started(ledger, ("w1", "ab"))
+    ledger.checkpointed(0, 1, "ck-0-1")
+    ledger.attempt(1, parent=(0, 1), world_size=1, quantum=2, checkpoint="ck-0-1", run="r",
+                   origin={"ledger": "other", "attempt": 0, "step": 1, "location": "ck-0-1"})
+
+
+INCONSISTENT = pytest.mark.parametrize("history, error", [
     (_duplicate_step, r"txn-0000000003.json \(trained\): attempt 0 trains step 1 after step 1"),
     (_gapped_steps, r"txn-0000000003.json \(dispatched\): attempt 0 dispatches step 3, but its next step is 2"),
-    (_checkpoint_of_an_untrained_step, r"txn-0000000005.json \(checkpointed\): step 5 of attempt 0, which it never trained"),
+    (_checkpoint_of_an_untrained_step, r"txn-0000000005.json \(checkpointed\): a checkpoint of step 5 of attempt 0, "
+                                       r"but attempt 0 never trained step 5"),
     (_window_dispatched_twice, r"txn-0000000003.json \(dispatched\): window w1 was dispatched already by txn-0000000001"),
     (_attempt_resumed_from_itself, r"txn-0000000004.json \(attempt\): attempt 1 resumes from a checkpoint of itself"),
     (_trained_other_samples, r"txn-0000000004.json \(trained\): .*\['c', 'x'\] but window w2 holds \['c', 'd'\]"),
-    (_parent_recorded_after_its_child, r"txn-0000000000.json \(attempt\): attempt 0 resumes from attempt 1, "
-                                       r"which started later"),
+    (_parent_recorded_after_its_child, r"txn-0000000000.json \(attempt\): attempt 0 resumes from checkpoint "
+                                       r"\(attempt 1, step 0\), which the ledger never recorded"),
+    (_resumed_from_an_unrecorded_checkpoint, r"txn-0000000003.json \(attempt\): attempt 1 resumes from checkpoint "
+                                             r"\(attempt 0, step 1\), which the ledger never recorded \(no checkpointed"),
+    (_checkpoint_of_an_unrecorded_attempt, r"txn-0000000003.json \(checkpointed\): a checkpoint of step 2 of attempt 4, "
+                                           r"but attempt 4 has no attempt txn"),
+    (_parent_and_origin, r"txn-0000000004.json \(attempt\): attempt 1 names both a parent and an origin"),
 ], ids=["duplicate-step", "gapped-steps", "untrained-checkpoint", "window-twice", "own-parent", "other-samples",
-        "later-parent"])
+        "later-parent", "unrecorded-parent", "unrecorded-attempt", "parent-and-origin"])
+
+
+@INCONSISTENT
 def test_replay_refuses_an_inconsistent_history_naming_the_transaction(tmp_path, history, error):
+    history(Unchecked(str(tmp_path)))
+    with pytest.raises(LedgerError, match=error + r".*; restore the ledger from a backup$"):
+        Ledger(str(tmp_path)).replay()
+
+
+@INCONSISTENT
+def test_the_writer_refuses_what_replay_would_refuse_before_writing_it(tmp_path, history, error):
     ledger = Ledger(str(tmp_path))
-    history(ledger)
-    with pytest.raises(LedgerError, match=error):
-        ledger.replay()
+    with pytest.raises(LedgerError, match=error + r".*; it was not written: the writer's history is not this ledger's"):
+        history(ledger)
+    refused = int(re.search(r"txn-(\d{10})", error).group(1))
+    assert ledger.count() == refused and Ledger(str(tmp_path)).replay().seq == refused - 1  # the rest replays
+    ledger.deleted([], [])  # the writer goes on at the refused txn's seq
+    assert [t.seq for t in Ledger(str(tmp_path)).read()][-1] == refused
+
+
+def _append_killed_before_its_link(uri: str) -> None:
+    """A writer SIGKILLed mid-append: its temp file is written and fsynced, the txn never linked."""
+    import specray.trainer.ledger as ledger_module
+
+    ledger = Ledger(uri)
+    ledger_module.os.link = lambda *_: os.kill(os.getpid(), signal.SIGKILL)
+    ledger.deleted([], [])
+
+
+def test_temp_files_of_killed_appends_are_removed_when_the_next_writer_opens(tmp_path):
+    uri = str(tmp_path / "ledger")
+    _started(Ledger(uri), ("w1", "ab"))
+    for _ in range(2):
+        child = multiprocessing.get_context("fork").Process(target=_append_killed_before_its_link, args=(uri,))
+        child.start()
+        child.join(timeout=60)
+        assert child.exitcode == -signal.SIGKILL
+        assert len(list((tmp_path / "ledger").glob(".tmp-*"))) == 1  # the second removed the first one's at its open
+    assert Ledger(uri).count() == 3  # nothing was appended
+    assert Ledger(uri).replay().seq == 2 and len(list((tmp_path / "ledger").glob(".tmp-*"))) == 1  # readers leave it
+    writer = Ledger(uri)
+    writer.deleted([], [])
+    assert not list((tmp_path / "ledger").glob(".tmp-*"))  # the single writer, opening, removed them
+    assert [t.seq for t in Ledger(uri).read()] == [0, 1, 2, 3]
+
+
+def test_a_stream_started_from_another_ledgers_checkpoint_counts_from_its_step(tmp_path):
+    """The origin's model is step 6 of another ledger: this stream trains steps 7, 8 and audits only its own samples."""
+    store = FeatureStore(str(tmp_path / "store"))
+    origin = {"ledger": "s3://bucket/other/ledger", "attempt": 2, "step": 6, "location": "other/checkpoint-a002-s00000006"}
+    ledger = Ledger(str(tmp_path / "ledger"))
+    ledger.attempt(0, parent=None, world_size=1, quantum=2, checkpoint=origin["location"], run="r", origin=origin)
+    with pytest.raises(LedgerError, match=r"attempt 0 dispatches step 1, but its next step is 7"):
+        ledger.dispatched(0, 1, "w1", _refs("a", "b"))
+    ledger.dispatched(0, 7, "w7", _refs("a", "b"))
+    ledger.trained(0, 7, "w7", ["a", "b"])
+    ledger.checkpointed(0, 7, "ck-0-7")
+    ledger.dispatched(0, 8, "w8", _refs("c", "d"))
+    ledger.attempt(1, parent=(0, 7), world_size=1, quantum=2, checkpoint="ck-0-7", run="r")  # a crash, resumed
+    ledger.dispatched(1, 8, "x8", _refs("c", "d"))
+    ledger.trained(1, 8, "x8", ["c", "d"])
+    ledger.checkpointed(1, 8, "ck-1-8")
+    state = Ledger(str(tmp_path / "ledger")).replay(full=True)
+    assert [t["step"] for t in state.lineage(1, 8)] == [7, 8]
+    assert state.origin(1, 8) == state.origin(0, 7) == origin
+    assert recovery_plan(state, (0, 7)).history == {"a", "b"}
+    assert audit(state, source_ids="abcd", store=store).ok
+    fresh = Ledger(str(tmp_path / "fresh"))
+    fresh.attempt(0, parent=None, world_size=1, quantum=2, checkpoint=None, run="r")
+    fresh.dispatched(0, 1, "w1", _refs("a", "b"))
+    fresh.trained(0, 1, "w1", ["a", "b"])
+    fresh.checkpointed(0, 1, "ck")
+    assert fresh.replay().origin(0, 1) is None
+    with pytest.raises(LedgerError, match=r"attempt 1's origin \{'ledger': 'x'\} is not \{ledger, attempt, step, location\}"):
+        fresh.attempt(1, parent=None, world_size=1, quantum=2, checkpoint=None, run="r", origin={"ledger": "x"})
 
 
 @pytest.mark.s3

@@ -36,6 +36,7 @@ from torch import nn
 
 from specray.drafters.dflash import DFlashConfig, DFlashDrafter
 from specray.trainer.loader import TrainBatch
+from specray.trainer.memory import FP32, ActivationMemory, StepShape, rmsnorm, rope, swiglu, vocab_rows
 
 
 class DFlashObjective(BaseModel):
@@ -174,3 +175,44 @@ class DFlashStrategy:
             "tau_tf": float(1 + sums["accepted"].sum() / blocks.sum()),
             "blocks": int(sums["blocks"].sum()),
         }
+
+    @staticmethod
+    def activation_memory(config: DFlashConfig, objective: DFlashObjective, shape: StepShape) -> ActivationMemory:
+        """What one micro-batch's ``forward_loss`` keeps for its backward (``trainer/memory.py``): the
+        backbone over its blocks (``backbone_memory``), then the logits of the ``B − 1`` drafted rows
+        per block and the cross-entropy's log-softmax."""
+        out = ActivationMemory()
+        blocks = backbone_memory(config, min(objective.num_anchors, shape.seq_len - 1), shape, out)
+        rows = blocks * (config.block_size - 1)  # the anchor row predicts nothing
+        out.keep("layers", rows * config.hidden_size * shape.act_bytes)  # the drafted rows' states, gathered
+        out.keep("vocab", vocab_rows(rows, config.draft_vocab_size or config.vocab_size, 2))  # logits, log-softmax
+        out.spike(vocab_rows(rows, config.draft_vocab_size or config.vocab_size, 1))  # the loss's gradient
+        return out
+
+
+def backbone_memory(config: DFlashConfig, anchors: int, shape: StepShape, out: ActivationMemory,
+                    *, layer_extra: float = 0.0) -> int:
+    """Count into ``out`` what the DFlash backbone (``DFlashDrafter.block_hidden``) keeps for ``anchors``
+    blocks per sequence: the context's projection and per-layer K/V over all ``S`` positions, the
+    float attention bias ``[Bt, H, Q, S + Q]`` per layer (``Q = anchors × block_size``), the block rows'
+    activations, plus ``layer_extra`` bytes per block row and layer (a variant's additions). Returns
+    the number of blocks (``Bt × anchors``)."""
+    Bt, S, a, R = shape.batch, shape.seq_len, shape.act_bytes, shape.rows
+    D, H, Hkv, hd, I = (config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
+                        config.intermediate_size)
+    Q = anchors * config.block_size
+    BQ = Bt * Q
+    out.keep("layers", R * D * a + rmsnorm(R, D, a))  # fc output, context norm
+    out.keep("attention", Bt * Q * (S + Q))  # the boolean block mask (one byte per entry)
+    for _ in range(config.num_layers):
+        k = R * Hkv * hd * a + rmsnorm(R * Hkv, hd, a) + rope(R, Hkv, hd, a)  # context K: proj, k_norm, RoPE
+        out.keep("layers", k + R * Hkv * hd * a)  # + context V
+        q = BQ * H * hd * a + rmsnorm(BQ * H, hd, a) + rope(BQ, H, hd, a)
+        k_d = BQ * Hkv * hd * a + rmsnorm(BQ * Hkv, hd, a) + rope(BQ, Hkv, hd, a)
+        kv = 2 * Bt * (S + Q) * Hkv * hd * a  # context and block K/V side by side
+        norms = 2 * rmsnorm(BQ, D, a) + 2 * BQ * D * a  # input and post norms, the layer's input and residual
+        out.keep("layers", norms + q + k_d + BQ * Hkv * hd * a + kv + 2 * BQ * H * hd * a + swiglu(BQ, I, a)
+                 + BQ * layer_extra)
+        out.keep("attention", Bt * H * Q * (S + Q) * FP32)  # the float bias the mask becomes
+    out.keep("layers", BQ * D * a + rmsnorm(BQ, D, a))  # the final norm
+    return Bt * anchors

@@ -40,7 +40,9 @@ from torch import nn
 from specray.drafters.dflash2 import DFlash2Config, DFlash2Drafter
 from specray.kernels.selector_walk import selector_walk
 from specray.trainer.loader import TrainBatch
-from specray.trainer.strategies.dflash import (DFlashObjective, DFlashStrategy, block_labels, position_weights,
+from specray.trainer.memory import FP32, ActivationMemory, StepShape, vocab_rows
+from specray.trainer.strategies.dflash import (DFlashObjective, DFlashStrategy, backbone_memory, block_labels,
+                                               position_weights,
                                                sample_anchors, weighted_block_ce)
 
 
@@ -124,6 +126,25 @@ class DFlash2Strategy(DFlashStrategy):
         with torch.no_grad():
             metrics = self._metrics(drafter, out, anchor_ids, labels, supervised, covered, ce, in_top, target)
         return loss + self.weight() * sel_loss, metrics
+
+    @staticmethod
+    def activation_memory(config: DFlash2Config, objective: DFlash2Objective, shape: StepShape) -> ActivationMemory:
+        """What one micro-batch's ``forward_loss`` keeps for its backward (``trainer/memory.py``): the DFlash
+        backbone with four grouped convolutions per layer (each tap's shifted rows and coefficients),
+        the drafted rows' logits and log-softmax, the selector's scores after the true predecessors,
+        and the metrics' lattice of every candidate pair."""
+        out = ActivationMemory()
+        a, D, K, r = shape.act_bytes, config.hidden_size, config.num_candidates, config.selector_rank
+        V_d = config.draft_vocab_size or config.vocab_size
+        conv = 4 * (2 * config.conv_kernel_size + 1) * D * a  # per block row and layer
+        blocks = backbone_memory(config, min(objective.num_anchors, shape.seq_len - 1), shape, out, layer_extra=conv)
+        rows = blocks * (config.block_size - 1)
+        out.keep("layers", rows * D * a)  # the drafted rows' states, gathered
+        out.keep("vocab", vocab_rows(rows, V_d, 2))  # unary logits, log-softmax
+        out.keep("selector", rows * (K * r + 2 * r + K) * FP32)  # successor rows, projected hidden, context
+        out.spike(rows * (3 * K * r + K * K) * FP32)  # the metrics' lattice: K predecessors per position
+        out.spike(vocab_rows(rows, V_d, 1))  # the loss's gradient
+        return out
 
     @staticmethod
     def _metrics(drafter, out, anchor_ids, labels, supervised, covered, ce, in_top, target) -> dict:

@@ -60,7 +60,9 @@ from torch import nn
 
 from specray.drafters.dspark import CALIBRATION_MODES, DSparkConfig, DSparkDrafter
 from specray.trainer.loader import TrainBatch
-from specray.trainer.strategies.dflash import DFlashStrategy, block_labels, position_weights, sample_anchors
+from specray.trainer.memory import ActivationMemory, StepShape, vocab_rows
+from specray.trainer.strategies.dflash import (DFlashStrategy, backbone_memory, block_labels, position_weights,
+                                               sample_anchors)
 
 
 class DSparkObjective(BaseModel):
@@ -212,6 +214,26 @@ class DSparkStrategy(DFlashStrategy):
         c_star = (1.0 - 0.5 * l1).clamp(0.0, 1.0).detach()
         match = (drafter.draft_to_target(logits.detach().argmax(-1)) == top).float()
         return Heads(drafter, labels, supervised, logits, log_q, conf_logits, c_star, l1, match)
+
+    @staticmethod
+    def activation_memory(config: DSparkConfig, objective: DSparkObjective, shape: StepShape) -> ActivationMemory:
+        """What one micro-batch's ``forward_loss`` keeps for its backward (``trainer/memory.py``): the
+        teacher ``p`` over every block row, the DFlash backbone, the sequence and confidence heads,
+        then the corrected logits, log q, q and ``p − q`` over the draft vocabulary."""
+        out = ActivationMemory()
+        a, D, r = shape.act_bytes, config.hidden_size, config.markov_rank
+        V_d, V = config.draft_vocab_size or config.vocab_size, config.vocab_size
+        rows = shape.batch * min(objective.num_anchors, shape.seq_len - 1) * config.block_size  # every row drafts
+        out.keep("teacher", vocab_rows(rows, V_d, 1))
+        out.spike(vocab_rows(rows, V_d, 1) + (vocab_rows(rows, V, 1) if config.draft_vocab_size else 0))
+        backbone_memory(config, min(objective.num_anchors, shape.seq_len - 1), shape, out)
+        heads = rows * (r + (D + r if config.confidence_head_with_markov else D)) * a  # W1[prev], [h; W1[prev]]
+        out.keep("layers", heads)
+        out.spike(vocab_rows(rows, V_d, 2))  # base logits and the sequence head's bias, before their sum
+        recurrent = 1 if config.markov_head_type == "rnn" else 0  # per-row biases stacked
+        out.keep("vocab", vocab_rows(rows, V_d, 4 + recurrent))  # corrected logits, log q, q, p - q
+        out.spike(vocab_rows(rows, V_d, 1))  # |p - q|, then the loss's gradients
+        return out
 
     def _sums(self, correct, supervised, covered, ce, c_star, confidence) -> dict[str, torch.Tensor]:
         """Per-position metric sums of [Bt, N, B] rows (module docstring); without a teacher (``c_star``

@@ -39,6 +39,7 @@ from torch import nn
 
 from specray.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from specray.trainer.loader import TrainBatch
+from specray.trainer.memory import ActivationMemory, StepShape, dense_attention, rmsnorm, rope, swiglu, vocab_rows
 
 TEACHER_CHUNK = 1024  # rows per full-vocabulary product when taking the teacher's argmax
 
@@ -176,3 +177,32 @@ class Eagle3Strategy:
             "tau_tf": float(1 + sums["accepted"].sum() / blocks.sum()),
             "blocks": int(sums["blocks"].sum()),
         }
+
+    @staticmethod
+    def activation_memory(config: Eagle3Config, objective: Eagle3Objective, shape: StepShape) -> ActivationMemory:
+        """What one micro-batch's ``forward_loss`` keeps for its backward (``trainer/memory.py``): the
+        teacher, then per TTT step the layers' activations, the fp32 attention scores over the row's
+        context and chain (``ttt_attention``), and the step's logits, log-softmax and teacher rows."""
+        B, S, a, R = shape.batch, shape.seq_len, shape.act_bytes, shape.rows
+        D, H, Hkv, hd, I = (config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
+                            config.intermediate_size)
+        V_d, V = config.draft_vocab_size or config.vocab_size, config.vocab_size
+        out = ActivationMemory()
+        out.keep("teacher", vocab_rows(R, V_d, 1))  # p [B, S, V_d], the whole step
+        out.spike(vocab_rows(R, V_d, 2) + vocab_rows(min(R, TEACHER_CHUNK), V, 1))  # its product and softmax
+        out.keep("layers", R * D * a)  # the fused target state
+        for step in range(objective.ttt_length):
+            for layer in range(config.num_layers):
+                width = 2 * D if layer == 0 else D
+                norms = (3 if layer == 0 else 2) * rmsnorm(R, D, a)  # hidden + input (first layer), post-attention
+                qkv = R * (H + 2 * Hkv) * hd * a + rope(R, H, hd, a) + rope(R, Hkv, hd, a)
+                out.keep("layers", norms + R * (width + 2 * D + H * hd) * a  # qkv input, state, y, o_proj input
+                         + qkv + swiglu(R, I, a))
+                kept, short = dense_attention(B, H, S, S + step)
+                out.spike(short)
+                out.keep("attention", kept)
+            rows = B * max(S - 2 - step, 0)  # supervised rows at this depth
+            out.keep("layers", rmsnorm(rows, D, a) + rows * D * a)
+            out.keep("vocab", vocab_rows(rows, V_d, 3))  # logits, log-softmax, the gathered teacher rows
+        out.spike(vocab_rows(B * S, V_d, 1))  # the loss's gradient through the log-softmax
+        return out

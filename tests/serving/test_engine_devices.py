@@ -10,7 +10,7 @@ on an explicit device (the target's for compute, the CPU for bookkeeping), never
   every worker's greedy output equals greedy AR decoding on CUDA, with the Triton kernels
   (rejection sampling, DSpark's schedule, DFlash 2's walk); sampled requests run through too.
 
-    pytest tests/serving/test_devices.py
+    pytest tests/serving/test_engine_devices.py
 """
 
 import json

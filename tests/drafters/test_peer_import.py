@@ -1,0 +1,264 @@
+"""Importing peer drafters (drafters/peer_import.py): directories the peer packages write themselves
+(speculators' ``from_training_args`` + ``save_pretrained``, z-lab dflash's and SpecForge's
+``save_pretrained``) import into our format, draft what the peer model drafts, and export back in
+the peer's format with the same tensors; what we cannot compute is refused by name, before
+anything is loaded; a checkpoint of another target is refused.
+"""
+
+import json
+import warnings
+
+import pytest
+import torch
+from dflash import DFlash2DraftModel, DFlashDraftModel
+from safetensors.torch import load_file, save_file
+from speculators.models.dflash import DFlashDraftModel as SpeculatorsDFlash
+from speculators.models.eagle3 import Eagle3DraftModel
+from speculators.train.cli import create_transformer_layer_config
+from transformers import LlamaConfig, Qwen3Config
+
+from specray.drafters.format import load_drafter, read_drafter_config
+from specray.drafters.peer import PeerFormatError, write_peer_export
+from specray.drafters.peer_import import as_export, import_peer, is_peer_directory, peer_summary
+from specray.drafters.sglang import write_sglang_export
+from specray.pipeline.cli import main
+
+with warnings.catch_warnings():  # "flash_attn is not found": SpecForge's training kernels, not used here
+    warnings.simplefilter("ignore", UserWarning)
+    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+
+TOLERANCE = 1e-4
+VOCAB = torch.arange(0, 259, 2)  # a draft vocabulary of 130 of the debug target's 259 ids
+
+
+def _randomise(model, seed=0):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "embed" in name or "lm_head" in name or "verifier" in name:
+                continue
+            p.normal_(1.0, 0.2) if "norm" in name else p.normal_(0.0, 0.2)
+    return model
+
+
+def _vocab_maps(vocab):
+    t2d = torch.zeros(259, dtype=torch.bool)
+    t2d[vocab] = True
+    return t2d, vocab - torch.arange(len(vocab))
+
+
+def _same_tensors(a, b, renamed=()):
+    ta, tb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    for old, new in renamed:
+        ta = {k.replace(old, new): v for k, v in ta.items()}
+    assert ta.keys() == tb.keys(), (sorted(set(ta) ^ set(tb)))
+    for k in ta:
+        assert ta[k].dtype == tb[k].dtype and torch.equal(ta[k], tb[k]), k
+
+
+def _load(export, target):
+    return load_drafter(export, embed_tokens=target.model.get_input_embeddings(),
+                        lm_head=target.model.get_output_embeddings(), target_fingerprint=target.target_fingerprint,
+                        template_fingerprint=target.template_fingerprint)
+
+
+# -- speculators ------------------------------------------------------------------------------------
+
+
+def _speculators_dflash(target, path, vocab=VOCAB):
+    layer = create_transformer_layer_config(str(target.path), 1, "qwen3", None, None, [0])  # full attention
+    t2d, d2t = _vocab_maps(vocab)
+    model = SpeculatorsDFlash.from_training_args(layer, t2d=t2d, d2t=d2t, verifier_name_or_path=str(target.path),
+                                                 draft_vocab_size=len(vocab), block_size=4,
+                                                 target_layer_ids=[2, 5, 6], mask_token_id=0)
+    _randomise(model).save_pretrained(path)
+    return path
+
+
+def _speculators_eagle3(target, path, norm_before_residual=False):
+    layer = create_transformer_layer_config(str(target.path), 1, "llama", None, None, [0])
+    t2d, d2t = _vocab_maps(VOCAB)
+    model = Eagle3DraftModel.from_training_args(layer, t2d=t2d, d2t=d2t, verifier_name_or_path=str(target.path),
+                                                draft_vocab_size=len(VOCAB), norm_before_residual=norm_before_residual,
+                                                ttt_steps=3, target_layer_ids=[2, 5, 6])
+    _randomise(model).save_pretrained(path)
+    return path
+
+
+def test_speculators_dflash_imports_drafts_the_same_and_exports_back(debug_target, tmp_path, monkeypatch):
+    from speculators.models import dflash as peer_dflash
+
+    peer_dir = _speculators_dflash(debug_target, tmp_path / "peer")
+    assert is_peer_directory(peer_dir) and peer_summary(peer_dir) == {"format": "speculators", "algorithm": "dflash",
+                                                                      "draft_vocab_size": 130}
+    out = import_peer(peer_dir, tmp_path / "ours", target=debug_target)
+    config = read_drafter_config(out)
+    assert config["algorithm"] == "dflash" and config["capture_contract"]["layer_ids"] == [1, 4, 5]  # inputs - 1
+    assert config["architecture"]["draft_vocab_size"] == 130 and config["architecture"]["mask_token_id"] == 0
+    provenance = json.loads((out / "export.json").read_text())
+    assert provenance["imported_format"] == "speculators" and provenance["peer_verifier"] == str(debug_target.path)
+    assert "lm_head.weight equals the target's" in provenance["import_checks"]
+    ours = _load(out, debug_target)
+    peer = SpeculatorsDFlash.from_pretrained(peer_dir, config=_eager(SpeculatorsDFlash, peer_dir)).eval()
+    S, anchors = 24, torch.tensor([3, 9, 15])
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(1, S, 3 * debug_target.hidden_size, generator=g)  # ascending layers: our contract order
+    ids = torch.randint(0, debug_target.vocab_size, (1, S), generator=g)
+    monkeypatch.setattr(peer_dflash.core, "select_anchors",
+                        lambda loss_mask, n, block: (anchors, torch.ones(n, dtype=torch.bool)))
+    with torch.no_grad():
+        mine = ours(hidden, torch.ones(1, S, dtype=torch.bool), ids[:, anchors], anchors[None])
+        _, logits, *_ = peer._backbone_forward(hidden, ids, torch.ones(1, S), torch.randn(1, S, 64),
+                                               torch.zeros(1, S, dtype=torch.long), max_anchors=3)
+    theirs = logits.view(1, 3, 4, -1)[:, :, 1:]
+    assert mine.std() > 0.5 and (mine - theirs).abs().max() <= TOLERANCE
+    back = write_peer_export(out, tmp_path / "back", target=debug_target, verifier_name_or_path=str(debug_target.path))
+    _same_tensors(peer_dir, back)
+
+
+def _eager(model_cls, path):
+    config = model_cls.config_class.from_pretrained(path)
+    config.transformer_layer_config._attn_implementation = "eager"
+    return config
+
+
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_speculators_eagle3_imports_and_exports_back(debug_target, tmp_path, norm_before_residual):
+    peer_dir = _speculators_eagle3(debug_target, tmp_path / "peer", norm_before_residual)
+    out = import_peer(peer_dir, tmp_path / "ours", target=debug_target)  # the verifier the config names
+    config = read_drafter_config(out)
+    assert config["algorithm"] == "eagle3" and config["capture_contract"]["layer_ids"] == [1, 4, 5]
+    assert config["architecture"]["norm_before_residual"] is norm_before_residual
+    assert "embed_tokens.weight equals the target's" in json.loads((out / "export.json").read_text())["import_checks"]
+    back = write_peer_export(out, tmp_path / "back", target=debug_target, verifier_name_or_path=str(debug_target.path))
+    _same_tensors(peer_dir, back)
+
+
+def test_a_speculators_drafter_of_another_target_is_refused(debug_target, tmp_path):
+    peer_dir = _speculators_eagle3(debug_target, tmp_path / "peer")
+    with pytest.raises(PeerFormatError, match=r"embed_tokens\.weight .* is not the target's|lm_head\.weight .* is not"):
+        import_peer(peer_dir, tmp_path / "ours", target="debug:1")  # same shapes, other weights
+    assert not (tmp_path / "ours").exists()
+
+
+# -- z-lab (dflash) and SpecForge ---------------------------------------------------------------------
+
+
+def _zlab_config(target, algorithm="dflash", **draft):
+    config = Qwen3Config(vocab_size=target.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                         max_position_embeddings=4096, tie_word_embeddings=False)
+    config.architectures = [{"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}[algorithm]]
+    config.num_target_layers, config.block_size = target.num_layers, 4
+    config.dflash_config = {"target_layer_ids": [1, 3, 5], "mask_token_id": 1, **draft}
+    return config
+
+
+def test_zlab_dflash_imports_drafts_the_same_and_exports_back(debug_target, tmp_path):
+    peer_dir = tmp_path / "zlab"
+    _randomise(DFlashDraftModel(_zlab_config(debug_target))).save_pretrained(peer_dir)
+    out = import_peer(peer_dir, tmp_path / "ours", target=debug_target)
+    config = read_drafter_config(out)
+    assert (config["algorithm"], config["capture_contract"]["layer_ids"]) == ("dflash", [1, 3, 5])
+    assert (config["architecture"]["num_layers"], config["architecture"]["block_size"]) == (2, 4)
+    ours, peer = _load(out, debug_target), DFlashDraftModel.from_pretrained(peer_dir).eval()
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(1, 20, 3 * 64, generator=g)
+    ids = torch.randint(0, debug_target.vocab_size, (1, 20), generator=g)
+    anchor = 11
+    with torch.no_grad():
+        mine = ours(hidden, torch.ones(1, 20, dtype=torch.bool), ids[:, [anchor]], torch.tensor([[anchor]]))[0, 0]
+        block = torch.tensor([[ids[0, anchor], 1, 1, 1]])
+        h = peer(target_hidden=hidden[:, :anchor], noise_embedding=debug_target.model.get_input_embeddings()(block),
+                 position_ids=torch.arange(anchor + 4)[None])
+        theirs = peer.compute_logits(h, debug_target.model.get_output_embeddings())[0, 1:]
+    assert mine.std() > 0.5 and (mine - theirs).abs().max() <= TOLERANCE
+    back = write_sglang_export(out, tmp_path / "back", target=debug_target)
+    _same_tensors(peer_dir, back)
+
+
+def test_zlab_dflash2_imports_and_exports_back(debug_target, tmp_path):
+    peer_dir = tmp_path / "zlab2"
+    config = _zlab_config(debug_target, "dflash2", conv_kernel_size=2, conv_group_size=16, selector_rank=8,
+                          selector_top_k=4)
+    _randomise(DFlash2DraftModel(config)).save_pretrained(peer_dir)
+    out = import_peer(peer_dir, tmp_path / "ours", target=debug_target)
+    arch = read_drafter_config(out)["architecture"]
+    assert (arch["conv_kernel_size"], arch["selector_rank"], arch["selector_top_k"]) == (2, 8, 4)
+    back = write_sglang_export(out, tmp_path / "back", target=debug_target)  # codebooks: no .weight in SGLang's names
+    _same_tensors(peer_dir, back, renamed=[("_codebook.weight", "_codebook")])
+
+
+def test_specforge_eagle3_for_sglang_imports_and_exports_back(debug_target, tmp_path):
+    """SpecForge's SGLang export: the draft's save_pretrained without the embedding (export/to_sglang.py)."""
+    config = LlamaConfig(vocab_size=debug_target.vocab_size, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=False)
+    config.architectures, config.draft_vocab_size = ["LlamaForCausalLMEagle3"], len(VOCAB)
+    config.eagle_config = {"eagle_aux_hidden_state_layer_ids": [1, 4, 5]}
+    model = _randomise(LlamaForCausalLMEagle3(config))
+    t2d, d2t = _vocab_maps(VOCAB)
+    with torch.no_grad():  # the target head's rows: what specray's drafters predict with
+        model.lm_head.weight.copy_(debug_target.model.get_output_embeddings().weight[VOCAB])
+        model.t2d.copy_(t2d), model.d2t.copy_(d2t)
+    peer_dir = tmp_path / "specforge"
+    state = {k: v for k, v in model.state_dict().items() if "embed" not in k}
+    model.save_pretrained(peer_dir, state_dict=state)
+    out = import_peer(peer_dir, tmp_path / "ours", target=debug_target)
+    config = read_drafter_config(out)
+    assert config["algorithm"] == "eagle3" and config["capture_contract"]["layer_ids"] == [1, 4, 5]
+    assert json.loads((out / "export.json").read_text())["imported_format"] == "sglang"
+    back = write_sglang_export(out, tmp_path / "back", target=debug_target)
+    _same_tensors(peer_dir, back)
+    with torch.no_grad():  # SpecForge trains its own head: specray's drafters share the target's
+        model.lm_head.weight.add_(0.1)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if "embed" not in k},
+              peer_dir / "model.safetensors")
+    with pytest.raises(PeerFormatError, match=r"lm_head\.weight \[130, 64\] is not the target's"):
+        import_peer(peer_dir, tmp_path / "trained-head", target=debug_target)
+
+
+# -- refusals and the CLI ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda c: c.update(layer_types=["sliding_attention", "full_attention"], sliding_window=8), "layer_types"),
+    (lambda c: c["dflash_config"].update(output_multiplier=2.0), "dflash_config.output_multiplier"),
+    (lambda c: c.update(attention_bias=True), "attention_bias"),
+    (lambda c: c.update(rope_parameters={"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e6}),
+     "rope_parameters.rope_type"),
+    (lambda c: c.update(num_target_layers=32), "num_target_layers = 32"),
+    (lambda c: c["dflash_config"].update(target_layer_ids=[1, 3, 9]), "reads target layers"),
+    (lambda c: c.update(hidden_size=128), "hidden_size = 128"),
+    (lambda c: c.update(intermediate_size=2**21), r"architecture\.intermediate_size"),
+    (lambda c: c.update(num_key_value_heads=0), r"architecture\.num_kv_heads"),
+])
+def test_what_specray_cannot_compute_is_refused_before_loading(debug_target, tmp_path, change, field):
+    peer_dir = tmp_path / "zlab"
+    DFlashDraftModel(_zlab_config(debug_target)).save_pretrained(peer_dir)
+    config = json.loads((peer_dir / "config.json").read_text())
+    change(config)
+    (peer_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=field):
+        import_peer(peer_dir, tmp_path / "ours", target=debug_target)
+    assert not (tmp_path / "ours").exists()
+
+
+def test_as_export_imports_once_and_keeps_exports(debug_target, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECRAY_CACHE", str(tmp_path / "cache"))
+    peer_dir = tmp_path / "zlab"
+    _randomise(DFlashDraftModel(_zlab_config(debug_target))).save_pretrained(peer_dir)
+    first = as_export(peer_dir, debug_target)
+    assert first.parent == tmp_path / "cache" / "imports" and as_export(peer_dir, debug_target) == first
+    assert as_export(first, debug_target) == first  # an export is used as it is
+
+
+def test_cli_import(debug_target, tmp_path, capsys):
+    peer_dir = _speculators_dflash(debug_target, tmp_path / "peer")
+    assert main(["import", str(peer_dir), "--out", str(tmp_path / "ours"), "--capture-dtype", "float32"]) == 0
+    printed = capsys.readouterr().out
+    assert "imported" in printed and "speculators dflash" in printed
+    assert read_drafter_config(tmp_path / "ours")["capture_contract"]["dtype"] == "float32"
+    assert "Imported from a speculators directory" in (tmp_path / "ours" / "README.md").read_text()
+    assert main(["import", str(tmp_path / "ours"), "--out", str(tmp_path / "again")]) == 2  # ours, not a peer's
+    assert "already a specray export" in capsys.readouterr().err

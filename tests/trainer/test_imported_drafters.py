@@ -1,0 +1,92 @@
+"""A drafter published in a peer format, used as specray's own (drafters/peer_import.py): a z-lab
+DFlash directory (written by z-lab's ``dflash`` package) fine-tunes with ``drafter.init_from``
+pointed at it, evaluates with ``specray evaluate`` on it, and its import serves losslessly on our
+engine and through the registry, on the debug target."""
+
+import json
+
+import pytest
+import torch
+from dflash import DFlashDraftModel
+from transformers import Qwen3Config
+
+from specray.capture.store import read_manifest
+from specray.drafters.format import load_drafter
+from specray.drafters.peer_import import import_peer
+from specray.pipeline.cli import main
+from specray.pipeline.jobs.train import build_trainer
+from specray.serving.engine import Engine
+from specray.serving.registry import DrafterRegistry
+from specray.serving.sampling import SamplingParams
+
+from test_training import _capture, _cfg  # noqa: E402  (the debug capture and training config of specray train)
+
+
+@pytest.fixture(scope="module")
+def manifest(tmp_path_factory):
+    return _capture(tmp_path_factory.mktemp("features"))
+
+
+@pytest.fixture
+def zlab_dir(debug_target, tmp_path):
+    """A z-lab DFlash drafter of the quickstart section's architecture on the debug target (1 layer,
+    the target's heads and MLP width, B = 8), at the manifest's layers, MASK = the section's default."""
+    tcfg = debug_target.model.config
+    config = Qwen3Config(vocab_size=debug_target.vocab_size, hidden_size=64, intermediate_size=tcfg.intermediate_size,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         rms_norm_eps=tcfg.rms_norm_eps, max_position_embeddings=4096, tie_word_embeddings=False)
+    config.architectures, config.num_target_layers, config.block_size = ["DFlashDraftModel"], 8, 8
+    config.dflash_config = {"target_layer_ids": [1, 2, 3, 4, 5], "mask_token_id": debug_target.tokenizer.unk_token_id}
+    torch.manual_seed(0)
+    model = DFlashDraftModel(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, 0.1)
+    model.save_pretrained(tmp_path / "zlab")
+    return tmp_path / "zlab"
+
+
+def test_init_from_a_peer_directory_fine_tunes_from_its_weights(manifest, zlab_dir, tmp_path, debug_target):
+    tuned = build_trainer(_cfg(manifest, tmp_path / "tuned", f"drafter.init_from={zlab_dir}", "optim.total_steps=2"))
+    imported = import_peer(zlab_dir, tmp_path / "imported", target=debug_target, capture_dtype="float32")
+    reference = load_drafter(imported, embed_tokens=debug_target.model.model.embed_tokens,
+                             lm_head=debug_target.model.lm_head, target_fingerprint=debug_target.target_fingerprint,
+                             template_fingerprint=debug_target.template_fingerprint)
+    torch.testing.assert_close(tuned.core.model.state_dict(), reference.state_dict(), rtol=0, atol=0)
+    tuned.fit(progress=False)
+    tuned.loader.close()
+    assert (tmp_path / "tuned" / "checkpoints").is_dir()
+    with pytest.raises(ValueError, match=r"another architecture \(block_size: export 8 vs config 4\)"):
+        build_trainer(_cfg(manifest, tmp_path / "other", f"drafter.init_from={zlab_dir}", "drafter.block_size=4"))
+
+
+def test_evaluate_a_peer_directory_and_its_import(manifest, zlab_dir, tmp_path, debug_target, capsys):
+    assert main(["evaluate", str(zlab_dir), "--manifest", str(manifest), "--target", "debug",
+                 "--json", str(tmp_path / "eval.json")]) == 0
+    result = json.loads((tmp_path / "eval.json").read_text())
+    assert result["samples"] == len(read_manifest(str(manifest)).refs) and 1.0 <= result["tau_tf"] <= 8.0
+    assert "imported" in capsys.readouterr().out
+    imported = import_peer(zlab_dir, tmp_path / "imported", target=debug_target, capture_dtype="float32")
+    assert main(["evaluate", str(imported), "--manifest", str(manifest), "--target", "debug"]) == 0
+    evaluation = json.loads((imported / "evaluation.json").read_text())
+    assert evaluation["heldout"]["tau_tf"] == pytest.approx(result["tau_tf"])
+    assert f"| tau, held-out (teacher-forced) | {evaluation['heldout']['tau_tf']:.3f}" in \
+        (imported / "README.md").read_text()
+
+
+def test_an_imported_drafter_serves_losslessly_and_publishes(zlab_dir, tmp_path, debug_target):
+    imported = import_peer(zlab_dir, tmp_path / "imported", target=debug_target)
+    prompts = [[1, 72, 101, 108, 108, 111], [1, 87, 104, 97, 116, 32, 105, 115]]
+    params = SamplingParams(max_tokens=24)
+    plain = [o.token_ids for o in Engine(debug_target, None, max_batch=2).generate(prompts, params)]
+    engine = Engine(debug_target, str(imported), max_batch=2, speculation="static")
+    speculative = engine.generate(prompts, params)
+    assert engine.versions.active.algorithm == "dflash"  # drafted every round with the imported drafter
+    assert [o.token_ids for o in speculative] == plain  # greedy speculative == greedy target
+    registry = DrafterRegistry(str(tmp_path / "registry"))
+    version = registry.publish(imported)  # the model card travels with the version
+    pulled = registry.pull(version, tmp_path / "pulled")
+    assert (pulled / "README.md").is_file()
+    load_drafter(pulled, embed_tokens=debug_target.model.model.embed_tokens, lm_head=debug_target.model.lm_head,
+                 target_fingerprint=debug_target.target_fingerprint,
+                 template_fingerprint=debug_target.template_fingerprint)
