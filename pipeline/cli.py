@@ -839,14 +839,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """``argv`` parsed as ``main`` parses it (argparse exits with status 2 on a usage error)."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # overrides may follow options (``plan M --device cuda section.field=value``)
         if not hasattr(args, "overrides") or any(e.startswith("-") for e in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     args.argv = argv
     try:
         return args.fn(args)

@@ -5,8 +5,8 @@
   states outside code appears verbatim in docs/benchmarks.md. In the README's `## Figures` table
   every row links to its benchmark entries, and every figure and every other number of the row
   appears in those entries (the linked headings' sections).
-- **Commands.** Every `specray …` command in a ```bash block or in inline code parses with
-  `specray.pipeline.cli.build_parser()`, and its `section.field=value` overrides are valid against
+- **Commands.** Every `specray …` command in a ```bash block or in inline code parses as the CLI
+  parses it (`specray.pipeline.cli.parse_args`; `--help` and `--version` count), and its `section.field=value` overrides are valid against
   the command's config (its manifest loaded with them, as the CLI loads it). Inline code that
   names only subcommands (`specray bench serve`) must name existing ones. Placeholders are
   UPPERCASE words (`EXPORT`, `DIR`, `PROMPT`) or `<name>`: argparse takes them as they are, so
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from specray.pipeline.cli import build_parser
+from specray.pipeline.cli import build_parser, parse_args
 from specray.pipeline.config import (CaptureJobConfig, ConfigError, PipelineConfig, ServeJobConfig, TrainJobConfig,
                                      load_config)
 
@@ -207,6 +207,7 @@ def _config_of(path: tuple[str, ...], ns: argparse.Namespace):
             ("serve",): (ServeJobConfig, getattr(ns, "config", None), getattr(ns, "overrides", [])),
             ("bench", "load"): (ServeJobConfig, getattr(ns, "config", None), getattr(ns, "overrides", [])),
             ("pipeline", "run"): (PipelineConfig, getattr(ns, "manifest", None), getattr(ns, "overrides", [])),
+            ("plan",): (PipelineConfig, getattr(ns, "manifest", None), getattr(ns, "overrides", [])),
             }.get(path)
 
 
@@ -219,17 +220,19 @@ def test_the_docs_hold_commands():
 
 @pytest.mark.parametrize("where, args", COMMANDS, ids=[f"{w} specray {' '.join(a)}"[:90] for w, a in COMMANDS])
 def test_each_specray_command_parses_and_its_overrides_are_valid(where, args):
-    if not args:
-        return  # the program's name
+    if not args or set(args) <= {"-h", "--help", "--version"}:
+        return  # the program's name, its help, its version
     path = _command_path(args)
     assert path, f"{where}: `specray {' '.join(args)}` names no subcommand"
     if len(path) == len(args):
         return  # a name (`specray export`, `specray bench serve`): every word a subcommand
     stderr = io.StringIO()
-    with contextlib.redirect_stderr(stderr):
+    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
         try:
-            ns = build_parser().parse_args(args)
-        except SystemExit:
+            ns = parse_args(args)
+        except SystemExit as e:
+            if e.code == 0:
+                return  # --help
             pytest.fail(f"{where}: `specray {' '.join(args)}` does not parse: {stderr.getvalue().strip()}")
     if path == ("evaluate",):
         bad = [o for o in ns.overrides if not o.startswith("objective.")]
