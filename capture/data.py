@@ -16,7 +16,7 @@ name             split    source
 ``parquet:PATH`` train    a Parquet file (or a directory of them, in name order), one
                           conversation per row, the same columns as a jsonl line
 ``hf:PATH``      train    a Hugging Face ``datasets`` directory written by ``save_to_disk``
-                          (read with ``datasets.load_from_disk``), rows as in Parquet; a
+                          (its Arrow files read with pyarrow), rows as in Parquet; a
                           ``DatasetDict`` directory is read one split at a time: ``hf:PATH/train``
 ``records:URI``  train    served traffic recorded by the serving replicas
                           (serving/recorder.py): the chat records of every shard under
@@ -55,6 +55,7 @@ import hashlib
 import importlib.util
 import itertools
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal
@@ -288,20 +289,53 @@ def _load_parquet(path: str, id_field: str | None = None, endpoint_url: str | No
 
 
 def _load_hf(path: str, id_field: str | None = None) -> Iterator[Conversation]:
+    """The rows of a ``datasets`` ``save_to_disk`` directory, read with pyarrow: ``state.json`` names
+    its Arrow stream files (``_data_files``, plain file names inside the directory), read in order."""
+    import pyarrow as pa
+
     if not path:
         raise ValueError("hf: needs a directory written by datasets' save_to_disk, e.g. hf:data/chats")
     directory = Path(path).expanduser()
     if not directory.is_dir():
         raise ValueError(f"dataset hf:{path}: no such directory (a datasets save_to_disk directory)")
-    if importlib.util.find_spec("datasets") is None:
-        raise ValueError("dataset hf:PATH is read with the Hugging Face datasets package: pip install datasets")
-    import datasets
+    if (directory / "dataset_dict.json").is_file():
+        splits = _hf_json(directory / "dataset_dict.json", path).get("splits")
+        if not isinstance(splits, list) or not splits:
+            raise ValueError(f"dataset hf:{path}: dataset_dict.json lists no splits")
+        raise ValueError(f"dataset hf:{path} is a DatasetDict with splits {sorted(map(str, splits))}; name one, "
+                         f"e.g. hf:{directory / sorted(map(str, splits))[0]}")
+    if not (directory / "state.json").is_file():
+        raise ValueError(f"dataset hf:{path}: no state.json (not a directory written by datasets' save_to_disk)")
+    entries = _hf_json(directory / "state.json", path).get("_data_files")
+    names = [e.get("filename") if isinstance(e, dict) else None for e in entries or []]
+    bad = [n for n in names if not isinstance(n, str) or not _HF_DATA_FILE.fullmatch(n)]
+    if not names or bad:
+        raise ValueError(f"dataset hf:{path}: state.json's _data_files must name the directory's *.arrow "
+                         f"files (plain names); got {bad or names!r}")
+    files = [directory / name for name in names]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ValueError(f"dataset hf:{path}: state.json names files that are not there: {missing}")
+    offset = 0
+    for file in files:
+        with pa.memory_map(str(file)) as source:
+            for batch in pa.ipc.open_stream(source):
+                rows = batch.to_pylist()
+                yield from _rows(rows, lambda r: f"hf:{path}: row {r}", directory.name, id_field, offset)
+                offset += len(rows)
 
-    loaded = datasets.load_from_disk(str(directory))
-    if isinstance(loaded, datasets.DatasetDict):
-        raise ValueError(f"dataset hf:{path} is a DatasetDict with splits {sorted(loaded)}; name one, e.g. "
-                         f"hf:{directory / sorted(loaded)[0]}")
-    yield from _rows(iter(loaded), lambda r: f"hf:{path}: row {r}", directory.name, id_field)
+
+_HF_DATA_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\.arrow")
+
+
+def _hf_json(file: Path, path: str) -> dict:
+    try:
+        loaded = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"dataset hf:{path}: {file.name} is not JSON ({err})") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"dataset hf:{path}: {file.name} is not a JSON object")
+    return loaded
 
 
 RECORD_ENDPOINTS = ("chat", "completions")

@@ -1,4 +1,5 @@
 import json
+import sys
 
 import pytest
 import torch
@@ -228,13 +229,24 @@ def test_parquet_files_and_directories(tmp_path):
         list(load_conversations(f"parquet:{tmp_path}", id_field="conv_id"))
 
 
-def test_hf_datasets_directory(tmp_path):
+def test_hf_datasets_directory(tmp_path, monkeypatch):
     datasets = pytest.importorskip("datasets")
 
     datasets.Dataset.from_list(_rows()).save_to_disk(str(tmp_path / "ds"))
+    many = [{**row, "conv_id": f"c{i}"} for i, row in enumerate(_rows() * 2)]
+    datasets.Dataset.from_list(many).save_to_disk(str(tmp_path / "shards"), num_shards=3)
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(_rows())}).save_to_disk(str(tmp_path / "dd"))
+    for name in [n for n in sys.modules if n == "datasets" or n.startswith("datasets.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # read without the datasets package: importing it fails
     convs = list(load_conversations(f"hf:{tmp_path / 'ds'}", id_field="conv_id"))
     assert [c.id for c in convs] == ["a/1", "a_1"] and convs[0].reasoning == (None, "greet")
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(_rows())}).save_to_disk(str(tmp_path / "dd"))
+    assert [c.id for c in load_conversations(f"hf:{tmp_path / 'shards'}", id_field="conv_id")] == ["c0", "c1", "c2", "c3"]
+    state = json.loads((tmp_path / "ds" / "state.json").read_text())
+    for name in ("../ds/data-00000-of-00001.arrow", "/etc/passwd", "state.json"):
+        (tmp_path / "ds" / "state.json").write_text(json.dumps({**state, "_data_files": [{"filename": name}]}))
+        with pytest.raises(ValueError, match=r"_data_files must name the directory's \*.arrow files"):
+            next(load_conversations(f"hf:{tmp_path / 'ds'}"))
     with pytest.raises(ValueError, match=r"is a DatasetDict with splits \['train'\]; name one, e.g. hf:.*dd/train"):
         next(load_conversations(f"hf:{tmp_path / 'dd'}"))
     assert [c.id for c in load_conversations(f"hf:{tmp_path / 'dd' / 'train'}", id_field="conv_id")] == ["a/1", "a_1"]
