@@ -16,7 +16,7 @@ protocol — and runs one of two sources.
 1. every rank asks the broker for window ``(attempt, s)`` and gets the same ``Q`` refs;
 2. rank 0 appends ``dispatched`` (the refs) to the ledger (``trainer/ledger.py``);
 3. ``split_window`` deals the refs over the ``DP × accumulation`` micro-batch slots; rank
-   ``r`` trains slots ``r·A … r·A + A − 1`` (``TrainRun.train_step``, DDP over gloo);
+   ``r`` trains slots ``r·A … r·A + A − 1`` (``TrainRun.train_step``, DDP over NCCL on GPUs, gloo on CPUs);
 4. the sample ids each rank trained are all-gathered and rank 0 appends one ``trained`` txn.
 
 Every ``spec.checkpoint_every`` steps and at the end of the stream rank 0 writes the

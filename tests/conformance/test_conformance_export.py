@@ -19,6 +19,7 @@ from typing import Callable
 import pytest
 import torch
 from conformance_kit import export, recorded_verification
+from peer_parity import TOLERANCE, ascending, features, fix_anchors, peer_model, random_vocab, randomise
 
 from specray.capture.contract import CONTRACT_SPECS
 from specray.capture.store import open_store, read_manifest
@@ -32,8 +33,6 @@ from specray.trainer.checkpoint import load_checkpoint
 from specray.trainer.export import drafter_from_state, export_checkpoint
 from specray.trainer.loader import FeatureLoader
 from specray.trainer.strategies import STRATEGIES
-
-TOLERANCE = 1e-4
 
 
 def _shared(target) -> dict:
@@ -90,29 +89,19 @@ def test_export_round_trip_in_our_format(debug_target, debug_runs, algorithm, tm
 
 def _features(target, layer_ids, S: int):
     """Random features [1, S, L·D] in our (contract) order and in the peer's (ascending layers), tokens [1, S]."""
-    g = torch.Generator().manual_seed(1)
-    hidden = torch.randn(1, S, len(layer_ids) * target.hidden_size, generator=g)
-    blocks = hidden.chunk(len(layer_ids), dim=-1)
-    ascending = torch.cat([blocks[i] for i in sorted(range(len(layer_ids)), key=layer_ids.__getitem__)], dim=-1)
-    return hidden, ascending, torch.randint(0, target.vocab_size, (1, S), generator=g)
-
-
-def _peer_model(model_cls, path):
-    config = model_cls.config_class.from_pretrained(path)
-    config.transformer_layer_config._attn_implementation = "eager"
-    return model_cls.from_pretrained(path, config=config).eval()
+    hidden, ids, _ = features(target, S, layer_ids)
+    return hidden, ascending(hidden, layer_ids), ids
 
 
 def _dflash_logits(model, path, target, monkeypatch):
     """Blocks anchored at fixed positions: ours [1, N, B−1, V_d], the peer's backbone logits without the anchor rows."""
-    from speculators.models import dflash as peer_dflash
+    from speculators.models.dflash import DFlashDraftModel
 
-    peer = _peer_model(peer_dflash.DFlashDraftModel, path)
+    peer = peer_model(DFlashDraftModel, path)
     S, B, anchors = 24, model.config.block_size, torch.tensor([3, 9, 15])
     hidden, ascending, ids = _features(target, model.config.target_layer_ids, S)
     ours = model(hidden, torch.ones(1, S, dtype=torch.bool), ids[:, anchors], anchors[None])
-    monkeypatch.setattr(peer_dflash.core, "select_anchors",
-                        lambda loss_mask, n, block: (anchors, torch.ones(n, dtype=torch.bool)))
+    fix_anchors(monkeypatch, anchors)
     _, logits, *_ = peer._backbone_forward(ascending, ids, torch.ones(1, S), torch.randn(1, S, target.hidden_size),
                                            torch.zeros(1, S, dtype=torch.long), max_anchors=len(anchors))
     return ours, logits.view(1, len(anchors), B, -1)[:, :, 1:]
@@ -121,17 +110,15 @@ def _dflash_logits(model, path, target, monkeypatch):
 def _dflash2_logits(model, path, target, monkeypatch):
     """DFlash's blocks: the unary logits, and the same with each position's K candidates rescored by the
     selector after given predecessors: [2, 1, N, B−1, V] each."""
-    from speculators.models import dflash as peer_dflash
     from speculators.models.dflash2 import DFlash2DraftModel
 
-    peer = _peer_model(DFlash2DraftModel, path)
+    peer = peer_model(DFlash2DraftModel, path)
     S, B, anchors = 24, model.config.block_size, torch.tensor([3, 9, 15])
     hidden, ascending, ids = _features(target, model.config.target_layer_ids, S)
     g = torch.Generator().manual_seed(4)
     predecessors = torch.randint(0, target.vocab_size, (1, len(anchors), B - 1), generator=g)  # [1, N, m]
     out = model(hidden, torch.ones(1, S, dtype=torch.bool), ids[:, anchors], anchors[None], predecessors)
-    monkeypatch.setattr(peer_dflash.core, "select_anchors",
-                        lambda loss_mask, n, block: (anchors, torch.ones(n, dtype=torch.bool)))
+    fix_anchors(monkeypatch, anchors)
     h, logits, *_ = peer._backbone_forward(ascending, ids, torch.ones(1, S), torch.randn(1, S, target.hidden_size),
                                            torch.zeros(1, S, dtype=torch.long), max_anchors=len(anchors))
     logits, h = logits.view(1, len(anchors), B, -1)[:, :, 1:], h.view(1, len(anchors), B, -1)[:, :, 1:]
@@ -144,17 +131,15 @@ def _dspark_logits(model, path, target, monkeypatch):
     """Blocks anchored at fixed positions, every row through the sequence head after the data's previous
     token (the peer's whole forward, its loss replaced by a recorder): [2, 1, N, B, V_d], the corrected
     logits and each row's confidence logit broadcast over the vocabulary."""
-    from speculators.models import dflash as peer_dflash
     from speculators.models.dspark import DSparkDraftModel
     from speculators.models.dspark import core as peer_dspark
 
-    peer = _peer_model(DSparkDraftModel, path)
+    peer = peer_model(DSparkDraftModel, path)
     S, B, anchors = 24, model.config.block_size, torch.tensor([3, 9, 15])
     hidden, ascending, ids = _features(target, model.config.target_layer_ids, S)
     prev = ids[:, anchors[:, None] + torch.arange(B)]  # [1, N, B]: row k follows the token at anchor + k
     logits, confidence = model(hidden, torch.ones(1, S, dtype=torch.bool), ids[:, anchors], anchors[None], prev)
-    monkeypatch.setattr(peer_dflash.core, "select_anchors",
-                        lambda loss_mask, n, block: (anchors, torch.ones(n, dtype=torch.bool)))
+    fix_anchors(monkeypatch, anchors)
     seen = {}
     monkeypatch.setattr(peer_dspark, "compute_metrics", lambda logits, targets, confidence, *args, **kwargs:
                         seen.update(logits=logits, confidence=confidence) or (logits.sum(), {}))
@@ -169,7 +154,7 @@ def _eagle3_logits(model, path, target, monkeypatch):
     """Three training-time-test steps (the later ones fed the drafter's own states): [steps, S, V_d] each."""
     from speculators.models.eagle3 import Eagle3DraftModel
 
-    peer = _peer_model(Eagle3DraftModel, path)
+    peer = peer_model(Eagle3DraftModel, path)
     S, steps = 12, 3
     hidden, ascending, ids = _features(target, model.config.target_layer_ids, S)
     ours = torch.stack(model(hidden, ids, torch.ones(steps, 1, S, dtype=torch.bool)))
@@ -210,6 +195,14 @@ PEER_PARITY = {
 }
 
 
+def _matrices_and_norms(name: str, p: torch.Tensor) -> tuple[float, float] | None:
+    """Matrices around 0, norms around 1, both with std 0.2; other parameters (e.g. a learned bias)
+    keep their value from the config."""
+    if p.dim() == 2:
+        return 0.0, 0.2
+    return (1.0, 0.2) if "norm" in name else None
+
+
 def _peer_drafter(algorithm, target, overrides: dict, draft_vocab: list[int] | None):
     """A drafter whose weights spread its logits over several units (a 1e-4 match means something);
     layer ids in reverse (the peer's fc takes its inputs in ascending layer order)."""
@@ -217,14 +210,7 @@ def _peer_drafter(algorithm, target, overrides: dict, draft_vocab: list[int] | N
     layer_ids = tuple(reversed(CONTRACT_SPECS[algorithm].default_layer_ids(target.num_layers)))
     config = spec.debug_config(target, layer_ids).to_dict()
     config.update(overrides, draft_vocab_size=None if draft_vocab is None else len(draft_vocab))
-    model = spec.model(spec.config.from_dict(config), **_shared(target))
-    torch.manual_seed(0)
-    with torch.no_grad():  # other parameters (e.g. a learned bias) keep their value from the config
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.2)
-            elif "norm" in name:
-                p.normal_(1.0, 0.2)
+    model = randomise(spec.model(spec.config.from_dict(config), **_shared(target)), _matrices_and_norms)
     if draft_vocab is not None:
         model.set_draft_vocab(torch.tensor(draft_vocab))
     return model.eval()
@@ -234,7 +220,7 @@ def _peer_drafter(algorithm, target, overrides: dict, draft_vocab: list[int] | N
 def test_peer_export_matches_the_speculators_model(debug_target, algorithm, vocab, tmp_path, monkeypatch):
     draft_vocab = None
     if vocab == "draft_vocab":
-        draft_vocab = torch.randperm(debug_target.vocab_size, generator=torch.Generator().manual_seed(2))[:40].tolist()
+        draft_vocab = random_vocab(debug_target, 40).tolist()
     if algorithm not in PEER_LAYOUTS:
         model = _peer_drafter(algorithm, debug_target, {}, draft_vocab)
         with pytest.raises(PeerFormatError, match="has no speculators layout"):

@@ -110,6 +110,7 @@ def test_runner_logits_equal_transformers_up_to_4k_positions(family_targets, fam
     assert (logits - reference).abs().max() <= TOLERANCE
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_runner_logits_equal_transformers_on_cuda(family_targets, family):
     """The runner's plain-torch path on CUDA (the fused kernels are CPU-only), each family's biases,

@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 from dflash import DFlash2DraftModel, DFlashDraftModel
+from peer_parity import TOLERANCE, by_name, features, fix_anchors, peer_model, randomise
 from safetensors.torch import load_file, save_file
 from speculators.models.dflash import DFlashDraftModel as SpeculatorsDFlash
 from speculators.models.eagle3 import Eagle3DraftModel
@@ -27,18 +28,12 @@ with warnings.catch_warnings():  # "flash_attn is not found": SpecForge's traini
     warnings.simplefilter("ignore", UserWarning)
     from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
 
-TOLERANCE = 1e-4
 VOCAB = torch.arange(0, 259, 2)  # a draft vocabulary of 130 of the debug target's 259 ids
 
 
-def _randomise(model, seed=0):
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "embed" in name or "lm_head" in name or "verifier" in name:
-                continue
-            p.normal_(1.0, 0.2) if "norm" in name else p.normal_(0.0, 0.2)
-    return model
+def _randomise(model):
+    """Norms around 1, the rest around 0 (std 0.2), seed 0; the embedding, LM head and verifier kept."""
+    return randomise(model, by_name(0.2, keep=("embed", "lm_head", "verifier")))
 
 
 def _vocab_maps(vocab):
@@ -86,8 +81,6 @@ def _speculators_eagle3(target, path, norm_before_residual=False):
 
 
 def test_speculators_dflash_imports_drafts_the_same_and_exports_back(debug_target, tmp_path, monkeypatch):
-    from speculators.models import dflash as peer_dflash
-
     peer_dir = _speculators_dflash(debug_target, tmp_path / "peer")
     assert is_peer_directory(peer_dir) and peer_summary(peer_dir) == {"format": "speculators", "algorithm": "dflash",
                                                                       "draft_vocab_size": 130}
@@ -99,13 +92,10 @@ def test_speculators_dflash_imports_drafts_the_same_and_exports_back(debug_targe
     assert provenance["imported_format"] == "speculators" and provenance["peer_verifier"] == str(debug_target.path)
     assert "lm_head.weight equals the target's" in provenance["import_checks"]
     ours = _load(out, debug_target)
-    peer = SpeculatorsDFlash.from_pretrained(peer_dir, config=_eager(SpeculatorsDFlash, peer_dir)).eval()
+    peer = peer_model(SpeculatorsDFlash, peer_dir)
     S, anchors = 24, torch.tensor([3, 9, 15])
-    g = torch.Generator().manual_seed(1)
-    hidden = torch.randn(1, S, 3 * debug_target.hidden_size, generator=g)  # ascending layers: our contract order
-    ids = torch.randint(0, debug_target.vocab_size, (1, S), generator=g)
-    monkeypatch.setattr(peer_dflash.core, "select_anchors",
-                        lambda loss_mask, n, block: (anchors, torch.ones(n, dtype=torch.bool)))
+    hidden, ids, _ = features(debug_target, S, layer_ids=(1, 4, 5))  # ascending layers: our contract order
+    fix_anchors(monkeypatch, anchors)
     with torch.no_grad():
         mine = ours(hidden, torch.ones(1, S, dtype=torch.bool), ids[:, anchors], anchors[None])
         _, logits, *_ = peer._backbone_forward(hidden, ids, torch.ones(1, S), torch.randn(1, S, 64),
@@ -114,12 +104,6 @@ def test_speculators_dflash_imports_drafts_the_same_and_exports_back(debug_targe
     assert mine.std() > 0.5 and (mine - theirs).abs().max() <= TOLERANCE
     back = write_peer_export(out, tmp_path / "back", target=debug_target, verifier_name_or_path=str(debug_target.path))
     _same_tensors(peer_dir, back)
-
-
-def _eager(model_cls, path):
-    config = model_cls.config_class.from_pretrained(path)
-    config.transformer_layer_config._attn_implementation = "eager"
-    return config
 
 
 @pytest.mark.parametrize("norm_before_residual", [False, True])
@@ -162,9 +146,7 @@ def test_zlab_dflash_imports_drafts_the_same_and_exports_back(debug_target, tmp_
     assert (config["algorithm"], config["capture_contract"]["layer_ids"]) == ("dflash", [1, 3, 5])
     assert (config["architecture"]["num_layers"], config["architecture"]["block_size"]) == (2, 4)
     ours, peer = _load(out, debug_target), DFlashDraftModel.from_pretrained(peer_dir).eval()
-    g = torch.Generator().manual_seed(1)
-    hidden = torch.randn(1, 20, 3 * 64, generator=g)
-    ids = torch.randint(0, debug_target.vocab_size, (1, 20), generator=g)
+    hidden, ids, _ = features(debug_target, 20, layer_ids=(1, 3, 5))  # [1, 20, 3 · 64]: ascending, as z-lab's
     anchor = 11
     with torch.no_grad():
         mine = ours(hidden, torch.ones(1, 20, dtype=torch.bool), ids[:, [anchor]], torch.tensor([[anchor]]))[0, 0]

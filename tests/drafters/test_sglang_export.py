@@ -24,12 +24,11 @@ from dataclasses import replace
 import pytest
 import torch
 from dflash import DFlash2DraftModel, DFlashDraftModel
+from peer_parity import LAYER_IDS, TOLERANCE, ascending, build, by_name, features, random_vocab, randomise, save_export
 from safetensors.torch import load_file
 from transformers import LlamaConfig
 
-from specray.capture.contract import build_contract
 from specray.drafters import DRAFTERS
-from specray.drafters.format import save_drafter
 from specray.drafters.peer import PeerFormatError
 from specray.drafters.sglang import write_sglang_export
 from specray.kernels.selector_walk import selector_walk_reference
@@ -38,40 +37,24 @@ with warnings.catch_warnings():  # "flash_attn is not found, falling back to fle
     warnings.simplefilter("ignore", UserWarning)
     from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
 
-LAYER_IDS = (5, 1, 3)  # not ascending on purpose: both peers concatenate the captured layers ascending
-TOLERANCE = 1e-4
-
 
 def _drafter(target, algorithm, layer_ids=LAYER_IDS, **overrides):
+    """A drafter (LAYER_IDS are not ascending on purpose: both peers concatenate the captured layers
+    ascending), its logits spread over several units (a 1e-4 match means something): norms around 1,
+    the rest around 0, ``block_key_bias`` kept."""
     spec = DRAFTERS[algorithm]
-    cfg = replace(spec.debug_config(target, layer_ids), **overrides)
-    model = spec.model(cfg, embed_tokens=target.model.get_input_embeddings(), lm_head=target.model.get_output_embeddings())
-    torch.manual_seed(0)
-    with torch.no_grad():  # logits spread over several units: a 1e-4 match means something
-        for name, p in model.named_parameters():
-            if not name.endswith("block_key_bias"):
-                p.normal_(1.0, 0.2) if "norm" in name else p.normal_(0.0, 0.2)
-    return model.eval()
-
-
-def _export(tmp_path, target, model, name="export"):
-    contract = build_contract(model.algorithm, target_fingerprint=target.target_fingerprint,
-                              template_fingerprint=target.template_fingerprint, num_target_layers=target.num_layers,
-                              hidden_size=target.hidden_size, layer_ids=model.config.target_layer_ids, dtype="float32")
-    return save_drafter(tmp_path / name, model, contract=json.loads(contract.to_json()),
-                        provenance={"run": "random", "target": "debug"})
+    model = build(spec.model, replace(spec.debug_config(target, layer_ids), **overrides), target)
+    return randomise(model, by_name(0.2, keep=("block_key_bias",)))
 
 
 def _sglang(tmp_path, target, model, **kwargs):
-    return write_sglang_export(_export(tmp_path, target, model), tmp_path / "sglang", target=target, **kwargs)
+    return write_sglang_export(save_export(tmp_path, target, model), tmp_path / "sglang", target=target, **kwargs)
 
 
 def _inputs(target, S=24):
-    g = torch.Generator().manual_seed(1)
-    hidden = torch.randn(1, S, len(LAYER_IDS) * target.hidden_size, generator=g)
-    blocks = hidden.chunk(len(LAYER_IDS), dim=-1)
-    ascending = torch.cat([blocks[i] for i in sorted(range(len(LAYER_IDS)), key=LAYER_IDS.__getitem__)], dim=-1)
-    return hidden, ascending, torch.randint(0, target.vocab_size, (1, S), generator=g)
+    """Features in our (contract) order and in the peers' (ascending layers), tokens [1, S]."""
+    hidden, ids, _ = features(target, S)
+    return hidden, ascending(hidden), ids
 
 
 def _zlab_block(peer, target, ascending, ids, anchor: int, block_size: int, mask_token_id: int):
@@ -175,7 +158,7 @@ def test_what_sglang_cannot_express_is_refused(debug_target, tmp_path, algorithm
 
 def test_eagle3_export_loads_in_specforge_with_our_logits(debug_target, tmp_path):
     model = _drafter(debug_target, "eagle3", draft_vocab_size=40)
-    model.set_draft_vocab(torch.randperm(debug_target.vocab_size, generator=torch.Generator().manual_seed(2))[:40])
+    model.set_draft_vocab(random_vocab(debug_target, 40))
     out = _sglang(tmp_path, debug_target, model)
     # SpecForge's loader (export/checkpoint_io.py materialize_draft): load_state_dict, the embedding left out
     peer = LlamaForCausalLMEagle3(LlamaConfig.from_pretrained(out)).eval()
@@ -239,7 +222,7 @@ def sglang_eagle3_load(names: list[str], params: set[str]) -> dict[str, str]:
 @pytest.mark.parametrize("vocab_size, num_layers", [(40, 1), (None, 2)], ids=["draft-vocab", "full-vocab-2-layers"])
 def test_eagle3_export_follows_sglangs_loader(debug_target, tmp_path, vocab_size, num_layers):
     model = _drafter(debug_target, "eagle3", draft_vocab_size=vocab_size, num_layers=num_layers)
-    vocab = torch.randperm(debug_target.vocab_size, generator=torch.Generator().manual_seed(2))[:vocab_size or 0]
+    vocab = random_vocab(debug_target, vocab_size or 0)
     if vocab_size:
         model.set_draft_vocab(vocab)
     out = _sglang(tmp_path, debug_target, model, verifier_name_or_path="org/target")
@@ -274,7 +257,7 @@ def test_eagle3_export_follows_sglangs_loader(debug_target, tmp_path, vocab_size
 def test_cli_export_sglang_names_the_verifier(debug_target, tmp_path, capsys):
     from specray.pipeline.cli import main
 
-    export = _export(tmp_path, debug_target, _drafter(debug_target, "dflash"))
+    export = save_export(tmp_path, debug_target, _drafter(debug_target, "dflash"))
     assert main(["export", str(export), "--format", "sglang", "--verifier", "Qwen/Qwen3-8B"]) == 0
     out = tmp_path / "export-sglang"
     assert json.loads((out / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
@@ -291,7 +274,7 @@ def test_a_calibrated_dspark_export_carries_sglangs_sts_file(debug_target, tmp_p
     from specray.drafters.dspark import write_calibration
 
     model = _drafter(debug_target, "dspark")
-    export = _export(tmp_path, debug_target, model)
+    export = save_export(tmp_path, debug_target, model)
     temperatures = [1.5, 0.8, 1.2, 2.0]  # SGLang takes the sampling table (DSpark's overlap 1 - TV)
     write_calibration(export, {"greedy": [0.1, 0.2, 0.3, 0.4], "sampling": temperatures},
                       {"manifest": "heldout.parquet", "blocks": 64,
@@ -303,6 +286,6 @@ def test_a_calibrated_dspark_export_carries_sglangs_sts_file(debug_target, tmp_p
                    "ece_before": [0.2] * 4, "ece_after": [0.05] * 4}
     record = json.loads((out / "specray_export.json").read_text())
     assert f"--speculative-dspark-confidence-sts-path sglang/sts_calibration.json" in record["serve_commands"][0]
-    uncalibrated = write_sglang_export(_export(tmp_path, debug_target, model, "plain"), tmp_path / "plain-sglang",
-                                       target=debug_target)
+    uncalibrated = write_sglang_export(save_export(tmp_path, debug_target, model, name="plain"),
+                                       tmp_path / "plain-sglang", target=debug_target)
     assert not (uncalibrated / "sts_calibration.json").exists()

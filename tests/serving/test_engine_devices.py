@@ -90,7 +90,8 @@ def test_serving_steps_allocate_nothing_on_the_default_device(debug_target, algo
 
 # -- on CUDA -----------------------------------------------------------------------------------
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def cuda(test):  # make gpu-check selects these with -m cuda
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test))
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 from dflash import DFlashDraftModel
+from peer_parity import by_name, randomise
 from transformers import Qwen3Config
 
 from specray.capture.store import read_manifest
@@ -37,12 +38,8 @@ def zlab_dir(debug_target, tmp_path):
                          rms_norm_eps=tcfg.rms_norm_eps, max_position_embeddings=4096, tie_word_embeddings=False)
     config.architectures, config.num_target_layers, config.block_size = ["DFlashDraftModel"], 8, 8
     config.dflash_config = {"target_layer_ids": [1, 2, 3, 4, 5], "mask_token_id": debug_target.tokenizer.unk_token_id}
-    torch.manual_seed(0)
-    model = DFlashDraftModel(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, 0.1)
-    model.save_pretrained(tmp_path / "zlab")
+    torch.manual_seed(0)  # before the model's own initialisation: the draws below continue that stream
+    randomise(DFlashDraftModel(config), by_name(0.1), seed=None).save_pretrained(tmp_path / "zlab")
     return tmp_path / "zlab"
 
 
