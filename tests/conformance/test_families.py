@@ -229,9 +229,11 @@ def test_captured_features_equal_transformers_hidden_states(family_targets, fami
         with torch.inference_mode():
             hs = target.model(input_ids=sample.input_ids[None], output_hidden_states=True).hidden_states
         expected = torch.cat([hs[i + 1][0] for i in contract.layer_ids], dim=-1)  # decoder-layer outputs
-        torch.testing.assert_close(features["hidden_states"], expected, atol=1e-5, rtol=1e-5)
+        # fp32 through 8 layers, features up to ~20: a padded batch and a lone sequence take other BLAS
+        # blockings and differ by up to ~2e-5 on some CPUs; a dropped bias or norm weight is off by O(1).
+        torch.testing.assert_close(features["hidden_states"], expected, atol=1e-4, rtol=1e-5)
         if contract.last_hidden:
-            torch.testing.assert_close(features["last_hidden_states"], hs[-1][0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(features["last_hidden_states"], hs[-1][0], atol=1e-4, rtol=1e-5)
     server.close()
 
 
