@@ -93,7 +93,7 @@ def test_rayservice_serve_config_validates_and_builds_the_app():
 def test_dockerfile_installs_torch_exactly_first():
     text = (KUBERAY / "Dockerfile").read_text()
     assert "FROM rayproject/ray:2.60.0-py311-cpu" in text
-    assert text.index("torch==2.13.0") < text.index("-c constraints.txt .")
+    assert text.index("torch==2.13.0") < text.index("-c constraints.txt '.[tracking]'")
 
 
 # -- the image and the manifests around it ------------------------------------------------------
