@@ -820,7 +820,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_step.add_argument("--repeats", type=int, default=7, help="forwards per timing (median) and per profile")
     bench_step.set_defaults(fn=_cmd_bench, config=None, overrides=[])
     bench_load = bench_sub.add_parser("load", help="streaming OpenAI clients on Serve replicas while a new drafter, "
-                                                   "a corrupt one and a replica kill happen (pipeline/bench/load.py)")
+                                                   "a corrupt and an oversized one, a replica kill, an S3 outage and "
+                                                   "a training stream happen (pipeline/bench/load.py)")
     bench_load.add_argument("--json", help="write the result here")
     bench_load.add_argument("--drafter", required=True, help="export the replicas serve first")
     bench_load.add_argument("--next-drafter", default=None, help="export hot-loaded mid-run (default: --drafter again)")
@@ -832,8 +833,16 @@ def build_parser() -> argparse.ArgumentParser:
             ("retries", int, "retries of a failed attempt per request (2)"),
             ("publish_at", float, "fraction of the run at which the next drafter is published (0.25)"),
             ("bad_at", float, "... a corrupt export is published (0.5)"),
-            ("kill_at", float, "... one replica is killed (0.75)")):
+            ("kill_at", float, "... one replica is killed (0.75)"),
+            ("oversized_at", float, "... an export claiming an oversized layer is published (0.6)"),
+            ("s3_outage_at", float, "... the replicas' and the stream's S3 answer 503 SlowDown (an s3:// registry)"),
+            ("s3_outage_s", float, "length of that outage in seconds (10)"),
+            ("settle_timeout_s", float, "after the run, seconds for the live replicas to reach the newest good version (120)"),
+            ("train_manifest", str, "an online pipeline manifest trained beside the clients, its store on the proxied S3"),
+            ("train_timeout_s", float, "after the run, seconds for the training stream to finish (600)")):
         bench_load.add_argument("--" + field.replace("_", "-"), type=kind, default=None, help=text)
+    bench_load.add_argument("--train-override", dest="train_overrides", action="append", default=None,
+                            metavar="section.field=value", help="an override of --train-manifest (repeatable)")
     bench_load.add_argument("overrides", nargs="*", metavar="section.field=value")
     bench_load.set_defaults(fn=_cmd_bench)
     return parser

@@ -16,7 +16,31 @@ prompts in turn over loopback, for ``minutes``. At fractions of the run:
 - ``publish_at``: ``--next-drafter`` (else ``--drafter`` again) is published as the next version;
 - ``bad_at``: a copy of that export whose weights are corrupted (its sha256 no longer matches
   ``export.json``) is published: every replica must refuse it and keep the version it serves;
-- ``kill_at``: one replica actor is killed (``ray.kill``); Serve starts a replacement.
+- ``oversized_at``: a copy of that export whose ``config.json`` claims
+  ``architecture.intermediate_size = 2**21`` (weights unchanged) is published: every replica must
+  refuse it at the bounds check, before it allocates anything the export claims;
+- ``kill_at``: one replica actor is killed (``ray.kill``); Serve starts a replacement;
+- ``s3_outage_at`` (an ``s3://`` registry or a training stream): for ``s3_outage_s`` seconds every
+  request through the fault proxies (below) is answered ``503 SlowDown``.
+
+With an ``s3://`` registry (``registry.endpoint_url``, else ``$SPECRAY_S3_ENDPOINT``, an
+``http://`` endpoint) the replicas reach S3 through a fault proxy in this process
+(pipeline/bench/s3faults.py, on 127.0.0.1: replicas and driver share one machine); the driver
+publishes to S3 directly. After the run the driver samples ``/metrics`` until every live replica
+serves the newest good version (the first or the next one: not the corrupt, not the oversized),
+for at most ``settle_timeout_s``.
+
+With ``train_manifest`` (an online pipeline manifest, pipeline/jobs/pipeline.py, its feature store
+on ``s3://``) the driver runs that capture-and-train stream beside the clients, with serving and
+bench stages off: its capture actors, broker and trainer gang reach the feature store through a
+second fault proxy, which the outage refuses too. The stream starts first; the run (its clock,
+clients and faults) starts once the stream deletes its first features (after its first durable
+checkpoint, DESIGN.md §4): the gang is training and the producers refill the room the deletion
+freed, so the fractions of the run fall in the stream's capture and training, not in its
+start-up. Its ledger
+audit (every sample trained exactly once, none left in the store) is reported. The ledger and the
+checkpoints stay where the manifest puts them, not behind a proxy (on ``s3://`` the gang reaches
+them through ``$SPECRAY_S3_ENDPOINT``).
 
 A failed attempt (an HTTP error status, an error event in the stream, a dropped connection, a
 stream that ends without a finish reason) is retried up to ``retries`` times; retries are
@@ -29,13 +53,17 @@ active and rejected versions).
 
 Reported: requests served and failed (by reason), TTFT and per-token latency (p50, p99), every
 greedy answer compared with the AR reference (text and token count), the drafter versions that
-served (the response's ``system_fingerprint``), each replica's versions and rejections, and when
-the replacement replica first answered. Needs the ``openai`` package (the ``dev`` extra).
+served (the response's ``system_fingerprint``), each replica's versions and rejections, when the
+replacement replica first answered, when the live replicas all served the newest good version,
+and with an ``s3://`` registry the proxy's counts (forwarded, refused in the outage, upstream
+errors) and the outage window, and the training stream's audit. Needs the ``openai`` package (the
+``dev`` extra).
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import os
 import secrets
 import shutil
@@ -55,12 +83,15 @@ import openai
 import ray
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from specray.pipeline.bench.s3faults import S3FaultProxy
+from specray.pipeline.config import PipelineConfig, ServeJobConfig, load_config
 from specray.pipeline.jobs.clients import TRUNCATED, StreamAttempt, stream_chat
-from specray.pipeline.config import ServeJobConfig, load_config
 from specray.serving.sidebyside import environment
 
 SAMPLE_INTERVAL_S = 0.5  # the driver reads /metrics this often during the run
 BAD_EXPORT_FAULT = "corrupt weights (model.safetensors bytes flipped; sha256 differs from export.json)"
+OVERSIZED_FIELD, OVERSIZED_VALUE = "intermediate_size", 2 ** 21  # the claim of the oversized export's config.json
+OVERSIZED_EXPORT_FAULT = f"config.json claims architecture.{OVERSIZED_FIELD} = {OVERSIZED_VALUE} (weights unchanged)"
 
 
 class LoadBenchOptions(BaseModel):
@@ -78,12 +109,25 @@ class LoadBenchOptions(BaseModel):
     replicas: int = Field(2, ge=2, description="Serve replicas (one is killed, so at least 2)")
     publish_at: float = Field(0.25, gt=0, lt=1, description="fraction of the run at which the next version is published")
     bad_at: float = Field(0.5, gt=0, lt=1, description="fraction of the run at which a corrupt export is published")
+    oversized_at: float = Field(0.6, gt=0, lt=1, description="fraction of the run at which an export whose "
+                                "config.json claims an oversized intermediate_size is published")
     kill_at: float = Field(0.75, gt=0, lt=1, description="fraction of the run at which one replica is killed")
+    s3_outage_at: float | None = Field(None, gt=0, lt=1, description="fraction of the run at which requests "
+                                       "through the fault proxies start being answered 503 SlowDown (None = no "
+                                       "outage; needs an s3:// registry.uri or a train_manifest)")
+    s3_outage_s: float = Field(10.0, gt=0, description="length of the S3 outage in seconds")
+    settle_timeout_s: float = Field(120.0, gt=0, description="after the run, how long the live replicas have to "
+                                    "serve the newest good version")
+    train_manifest: str | None = Field(None, description="online pipeline manifest run beside the clients, its "
+                                       "feature store on s3:// behind the fault proxy (None = no training stream)")
+    train_overrides: list[str] = Field([], description="section.field=value overrides of train_manifest")
+    train_timeout_s: float = Field(600.0, gt=0, description="after the run, how long the training stream has to finish")
     kill_window_s: float = Field(5.0, ge=0, description="attempts started this long after the kill may fail from it")
     retries: int = Field(2, ge=0, description="times a client retries a failed attempt")
     retry_backoff_s: float = Field(1.0, ge=0, description="wait before a retry")
     request_timeout_s: float = Field(120.0, gt=0, description="an attempt taking longer fails (timeout)")
-    startup_timeout_s: float = Field(600.0, gt=0, description="replicas must serve the first version within this")
+    startup_timeout_s: float = Field(600.0, gt=0, description="replicas must serve the first version, and the "
+                                     "training stream delete its first features, within this")
     max_requests_per_client: int = Field(100_000, gt=0, description="bound on each client's loop")
 
     @field_validator("drafter", "next_drafter")
@@ -95,9 +139,17 @@ class LoadBenchOptions(BaseModel):
 
     @model_validator(mode="after")
     def _faults_in_order(self) -> LoadBenchOptions:
-        if not self.publish_at < self.bad_at:
-            raise ValueError(f"publish_at ({self.publish_at}) must come before bad_at ({self.bad_at}): the corrupt "
-                             "export is a copy of the published one")
+        for name in ("bad_at", "oversized_at"):
+            if not self.publish_at < getattr(self, name):
+                raise ValueError(f"publish_at ({self.publish_at}) must come before {name} ({getattr(self, name)}): "
+                                 "the faulty export is a copy of the published one")
+        if self.s3_outage_at is not None and self.s3_outage_at * 60 * self.minutes + self.s3_outage_s >= 60 * self.minutes:
+            raise ValueError(f"the S3 outage (s3_outage_at={self.s3_outage_at} of {60 * self.minutes:g} s, "
+                             f"s3_outage_s={self.s3_outage_s:g}) must end before the run does: start it earlier, "
+                             "shorten it or lengthen minutes")
+        if self.train_overrides and self.train_manifest is None:
+            raise ValueError(f"train_overrides {self.train_overrides} without train_manifest: give the online "
+                             "pipeline manifest they apply to, or drop them")
         return self
 
 
@@ -113,25 +165,88 @@ def bench_load(options: LoadBenchOptions, config: str | None = None, overrides: 
         if cfg.registry.uri is None:
             raise ValueError("registry.uri=null: the load bench publishes versions to a registry; drop the override "
                              "(a temporary one is used) or give a path or s3:// URI")
+        stream = _stream_config(options, Path(tmp)) if options.train_manifest else None
+        proxies = _proxies(options, cfg, stream)  # started once Ray is up
         prompts = _prompts(options)
         references = _references(cfg, prompts, options.max_tokens)
         registry = DrafterRegistry(cfg.registry.uri, endpoint_url=cfg.registry.endpoint_url)
         first = registry.publish(options.drafter)
         ray_was_up = ray.is_initialized()
         connect(cfg.ray.address, cfg.ray.num_cpus)
-        handle = start_serving(cfg, timeout_s=options.startup_timeout_s)
+        for proxy in proxies.values():
+            proxy.start()
         try:
-            monitor = _Monitor(handle.url, handle.api_key)
-            monitor.wait(lambda: monitor.serving(first) >= options.replicas, options.startup_timeout_s,
-                         f"{options.replicas} replicas serving version {first}")
-            run = _Run(options, handle, prompts, registry, Path(tmp), monitor)
-            run.execute()
-            monitor.settle(options.replicas, excluded=run.killed_replica)
+            handle = start_serving(_behind(cfg, "registry", proxies.get("registry")), timeout_s=options.startup_timeout_s)
+            try:
+                monitor = _Monitor(handle.url, handle.api_key)
+                monitor.wait(lambda: monitor.serving(first) >= options.replicas, options.startup_timeout_s,
+                             f"{options.replicas} replicas serving version {first}")
+                training = None if stream is None else _TrainingStream(_behind(stream, "store", proxies["store"]))
+                if training is not None:
+                    training.start()
+                    monitor.wait(lambda: "DELETE" in proxies["store"].first_request_at or not training.is_alive(),
+                                 options.startup_timeout_s, "the training stream's first deletion of features")
+                run = _Run(options, handle, prompts, registry, Path(tmp), monitor, proxies, first, training)
+                run.execute()
+                run.settled_at_s = monitor.settle(options.replicas, run.killed_replica, run.newest_good,
+                                                  options.settle_timeout_s, run.t0)
+                if training is not None:
+                    training.join(options.train_timeout_s)
+            finally:
+                handle.stop()  # and Serve, when this run started it
+                if not ray_was_up:
+                    ray.shutdown()
         finally:
-            handle.stop()  # and Serve, when this run started it
-            if not ray_was_up:
-                ray.shutdown()
+            for proxy in proxies.values():
+                proxy.stop()
     return _report(options, cfg, references, first, run, monitor)
+
+
+def _s3_endpoint(uri: str, endpoint_url: str | None, field: str) -> str:
+    endpoint = endpoint_url or os.environ.get("SPECRAY_S3_ENDPOINT")
+    if endpoint is None:
+        raise ValueError(f"{uri} has no endpoint: the load bench reaches S3 through a loopback fault proxy, which "
+                         f"needs the server's http:// endpoint: give {field}=http://host:port")
+    return endpoint
+
+
+def _proxies(options: LoadBenchOptions, cfg: ServeJobConfig, stream: PipelineConfig | None) -> dict[str, S3FaultProxy]:
+    """The fault proxies (not started): ``registry`` for the replicas of an ``s3://`` registry, ``store``
+    for the training stream's feature store."""
+    proxies = {}
+    if cfg.registry.uri.startswith("s3://"):
+        proxies["registry"] = S3FaultProxy(_s3_endpoint(cfg.registry.uri, cfg.registry.endpoint_url,
+                                                        "registry.endpoint_url"))
+    if stream is not None:
+        proxies["store"] = S3FaultProxy(_s3_endpoint(stream.store.uri, stream.store.endpoint_url,
+                                                     "store.endpoint_url (in train_overrides)"))
+    if options.s3_outage_at is not None and not proxies:
+        raise ValueError(f"s3_outage_at={options.s3_outage_at} needs an s3:// registry (registry.uri="
+                         f"{cfg.registry.uri}) or a train_manifest: give registry.uri=s3://bucket/prefix and "
+                         "registry.endpoint_url, or drop s3_outage_at")
+    return proxies
+
+
+def _behind(cfg, section: str, proxy: S3FaultProxy | None):
+    """``cfg`` with ``<section>.endpoint_url`` moved to ``proxy``, when there is one."""
+    if proxy is None:
+        return cfg
+    part = getattr(cfg, section)
+    return cfg.model_copy(update={section: part.model_copy(update={"endpoint_url": proxy.endpoint_url})})
+
+
+def _stream_config(options: LoadBenchOptions, tmp: Path) -> PipelineConfig:
+    """The training stream's pipeline config: ``train_manifest`` + ``train_overrides``, with no serving
+    or bench stage, in a run dir of its own."""
+    forced = ["serve.enabled=false", "bench.enabled=false", f"output.run_dir={tmp / 'train'}"]
+    cfg = load_config(PipelineConfig, options.train_manifest, [*options.train_overrides, *forced])
+    if cfg.mode != "online":
+        raise ValueError(f"train_manifest {options.train_manifest} has mode: {cfg.mode}; the load bench runs an "
+                         "online stream beside the clients: give an online manifest (manifests/online.yaml)")
+    if not (cfg.store.uri or "").startswith("s3://"):
+        raise ValueError(f"train_manifest {options.train_manifest}: store.uri={cfg.store.uri} is not on S3; the "
+                         "stream's features go through the fault proxy: give store.uri=s3://bucket/prefix")
+    return cfg
 
 
 def _serve_overrides(options: LoadBenchOptions, tmp: Path) -> list[str]:
@@ -170,6 +285,19 @@ def _references(cfg: ServeJobConfig, prompts: list[list[dict]], max_tokens: int)
     del engine, target
     gc.collect()
     return [_Reference(o.text, len(o.token_ids)) for o in outputs]
+
+
+def _oversized_copy(export: Path, out: Path) -> Path:
+    """``export`` whose ``config.json`` claims ``OVERSIZED_VALUE`` for ``architecture.OVERSIZED_FIELD``
+    (weights unchanged): a load refuses it at the bounds check, before building anything."""
+    shutil.copytree(export, out)
+    config = json.loads((out / "config.json").read_text())
+    if OVERSIZED_FIELD not in config.get("architecture", {}):
+        raise ValueError(f"{export}/config.json has no architecture.{OVERSIZED_FIELD} to oversize; publish an "
+                         "export of an algorithm with an MLP (eagle3, dflash, dspark, dflash2) as --next-drafter")
+    config["architecture"][OVERSIZED_FIELD] = OVERSIZED_VALUE
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
 
 
 def _corrupt_copy(export: Path, out: Path) -> Path:
@@ -226,16 +354,19 @@ class _Monitor:
             self.sample()
             time.sleep(0.2)
 
-    def settle(self, replicas: int, excluded: str | None, timeout_s: float = 120.0) -> None:
+    def settle(self, replicas: int, excluded: str | None, version: int, timeout_s: float, t0: float) -> float | None:
         """After the run: sample until ``replicas`` live replicas (the killed one aside) have answered
-        since the kill, so the report shows the replacement's state too (best effort, bounded)."""
+        since now and all of them serve ``version``, for at most ``timeout_s``. Returns when that
+        held (seconds since ``t0``), or None if it did not within the time."""
         since = time.monotonic()
-        for _ in range(int(timeout_s / 0.2)):
+        deadline = since + timeout_s
+        while time.monotonic() < deadline:
             self.sample()
-            fresh = [rid for rid, r in self.replicas.items() if rid != excluded and r["last_seen"] >= since]
-            if len(fresh) >= replicas:
-                return
+            fresh = [r for rid, r in self.replicas.items() if rid != excluded and r["last_seen"] >= since]
+            if len(fresh) >= replicas and all(r["active"] == version for r in fresh):
+                return time.monotonic() - t0
             time.sleep(0.2)
+        return None
 
 
 def _client_loop(i: int, options: LoadBenchOptions, handle, prompts: list[list[dict]], t0: float, deadline: float,
@@ -255,6 +386,30 @@ def _client_loop(i: int, options: LoadBenchOptions, handle, prompts: list[list[d
                 break
 
 
+class _TrainingStream(threading.Thread):
+    """``run_pipeline`` of an online manifest on a thread: its report's ledger audit, or the error
+    that stopped it. Times are ``time.monotonic()``."""
+
+    def __init__(self, cfg: PipelineConfig):
+        super().__init__(daemon=True, name="bench-load-training")
+        self.cfg = cfg
+        self.online: dict | None = None
+        self.error: str | None = None
+        self.started = self.ended = None
+
+    def run(self) -> None:
+        from specray.pipeline.jobs.pipeline import run_pipeline
+
+        self.started = time.monotonic()
+        try:
+            report, _ = run_pipeline(self.cfg, progress=False)  # serve.enabled=false: no handle
+            self.online = report.online
+        except Exception as e:  # noqa: BLE001 - reported, and the check fails: the run goes on to its report
+            self.error = f"{type(e).__name__}: {e}"
+        finally:
+            self.ended = time.monotonic()
+
+
 # -- the run -----------------------------------------------------------------------------
 
 
@@ -262,9 +417,10 @@ class _Run:
     """The clients plus the faults, each fired at its time by the driver thread."""
 
     def __init__(self, options: LoadBenchOptions, handle, prompts: list[list[dict]], registry, tmp: Path,
-                 monitor: _Monitor):
+                 monitor: _Monitor, proxies: dict[str, S3FaultProxy], first: int, training: _TrainingStream | None):
         self.options, self.handle, self.prompts, self.registry = options, handle, prompts, registry
-        self.tmp, self.monitor = tmp, monitor
+        self.tmp, self.monitor, self.proxies, self.first, self.training = tmp, monitor, proxies, first, training
+        self.settled_at_s: float | None = None  # when every live replica served the newest good version
         self.attempts: list[StreamAttempt] = []
         self.events: list[dict] = []  # faults as they happened: at_s, what, version / replica
         self.killed_replica: str | None = None
@@ -275,8 +431,11 @@ class _Run:
     def execute(self) -> None:
         o = self.options
         self.seconds = 60.0 * o.minutes
-        faults = sorted([(o.publish_at, self._publish_next), (o.bad_at, self._publish_bad), (o.kill_at, self._kill)],
-                        key=lambda f: f[0])
+        faults = [(o.publish_at, self._publish_next), (o.bad_at, self._publish_bad),
+                  (o.oversized_at, self._publish_oversized), (o.kill_at, self._kill)]
+        if o.s3_outage_at is not None:
+            faults.append((o.s3_outage_at, self._s3_outage))
+        faults.sort(key=lambda f: f[0])
         stop = threading.Event()
         self.load_average_at_start = list(os.getloadavg())
         self.t0 = time.monotonic()
@@ -309,6 +468,21 @@ class _Run:
         export = Path(self.options.next_drafter or self.options.drafter)
         bad = _corrupt_copy(export, self.tmp / "corrupt-export")
         self._event("publish-bad", version=self.registry.publish(bad), fault=BAD_EXPORT_FAULT)
+
+    def _publish_oversized(self) -> None:
+        export = Path(self.options.next_drafter or self.options.drafter)
+        oversized = _oversized_copy(export, self.tmp / "oversized-export")
+        self._event("publish-oversized", version=self.registry.publish(oversized), fault=OVERSIZED_EXPORT_FAULT)
+
+    def _s3_outage(self) -> None:
+        for proxy in self.proxies.values():
+            proxy.outage(self.options.s3_outage_s)
+        self._event("s3-outage", seconds=self.options.s3_outage_s)
+
+    @property
+    def newest_good(self) -> int:
+        """The newest version published that is neither corrupt nor oversized."""
+        return max([self.first] + [e["version"] for e in self.events if e["what"] == "publish"])
 
     def _kill(self) -> None:
         """Kill the replica actor that answered /metrics most recently (it is taking requests)."""
@@ -386,22 +560,69 @@ def _replicas(run: _Run, monitor: _Monitor) -> dict:
     return out
 
 
-def _checks(run: _Run, failures: dict, greedy: dict, versions: Counter, replicas: dict) -> dict:
+def _refused_by_every_live_replica(version: int | None, live: list[dict], reason: str = "") -> bool:
+    """``version`` rejected by each live replica (with ``reason`` in the message) and never active on one."""
+    return version is not None and bool(live) and all(
+        str(version) in r["rejected"] and reason in r["rejected"][str(version)]
+        and str(version) not in r["active_since_s"] for r in live)
+
+
+def _checks(run: _Run, failures: dict, greedy: dict, versions: Counter, replicas: dict, s3: dict | None,
+            training: dict | None) -> dict:
     published = {e["what"]: e["version"] for e in run.events if "version" in e}
-    bad = published.get("publish-bad")
+    bad, oversized = published.get("publish-bad"), published.get("publish-oversized")
     live = [r for r in replicas.values() if not r["killed"]]
+    s3_checks = {} if s3 is None or s3["outage"] is None else {
+        f"s3_outage_refused_{name}_requests": counts["refused"] > 0 for name, counts in s3["proxies"].items()}
     return {
         "greedy_all_match_ar": greedy["compared"] > 0 and greedy["mismatches"] == 0,
         "failures_only_from_kill": failures["attempts_failed_not_from_kill"] == 0,
         "failures_raised_by_the_client": TRUNCATED not in failures["by_reason"],
         "failures_answered_with_an_error": all(g["server_error"] for g in failures["by_reason"].values()),
         "no_request_failed_after_retries": failures["requests_failed_after_retries"] == 0,
-        "bad_version_rejected_by_every_live_replica": bad is not None and bool(live) and all(
-            str(bad) in r["rejected"] and str(bad) not in r["active_since_s"] for r in live),
+        "bad_version_rejected_by_every_live_replica": _refused_by_every_live_replica(bad, live),
         "bad_version_never_served": f"specray-drafter-v{bad}" not in versions,
+        # the bounds check names the field: the replica refused the claim before building the drafter
+        "oversized_version_rejected_by_every_live_replica": _refused_by_every_live_replica(
+            oversized, live, f"architecture.{OVERSIZED_FIELD} = {OVERSIZED_VALUE} is outside"),
+        "oversized_version_never_served": f"specray-drafter-v{oversized}" not in versions,
         "new_version_served": f"specray-drafter-v{published.get('publish')}" in versions,
+        "live_replicas_on_newest_good_version": run.settled_at_s is not None and bool(live) and all(
+            r["active_version"] == run.newest_good for r in live),
+        **s3_checks,
+        **({} if training is None else {"training_samples_exactly_once": training["error"] is None and training[
+            "audit"]["ok"] and training["audit"]["trained"] > 0}),
         "clients_finished": run.unfinished_clients == 0,
     }
+
+
+def _s3(run: _Run) -> dict | None:
+    """Each fault proxy's counts and the outage window (seconds since the start)."""
+    if not run.proxies:
+        return None
+    outage = next((e for e in run.events if e["what"] == "s3-outage"), None)
+    window = None if outage is None else {"start_s": outage["at_s"], "end_s": outage["at_s"] + outage["seconds"]}
+    def since_t0(at: float | None) -> float | None:
+        return None if at is None else at - run.t0
+
+    return {"proxies": {name: p.counts() | {"first_request_s": since_t0(min(p.first_request_at.values(), default=None)),
+                                             "last_request_s": since_t0(p.last_request_at)}
+                        for name, p in run.proxies.items()},
+            "upstreams": {name: p.upstream for name, p in run.proxies.items()}, "outage": window}
+
+
+def _training(run: _Run) -> dict | None:
+    """The training stream: its manifest, when it ran (seconds since the start), its audit or error."""
+    t = run.training
+    if t is None:
+        return None
+    return {"manifest": run.options.train_manifest, "store": t.cfg.store.uri,
+            "start_s": None if t.started is None else t.started - run.t0,
+            "end_s": None if t.ended is None else t.ended - run.t0, "error": t.error or (
+                f"not finished within train_timeout_s={run.options.train_timeout_s}" if t.ended is None else None),
+            "audit": (t.online or {}).get("audit"), "capture": (t.online or {}).get("capture"),
+            "peak_inflight_samples": (t.online or {}).get("peak_inflight_samples"),
+            "ledger": (t.online or {}).get("ledger")}
 
 
 def _report(options: LoadBenchOptions, cfg: ServeJobConfig, references: list[_Reference], first: int, run: _Run,
@@ -412,6 +633,7 @@ def _report(options: LoadBenchOptions, cfg: ServeJobConfig, references: list[_Re
     greedy = _greedy(served, references)
     replicas = _replicas(run, monitor)
     tokens = sum(a.tokens for a in served)
+    s3, training = _s3(run), _training(run)
     return {
         "benchmark": "load", "target": cfg.target.name, "options": options.model_dump(),
         "serve": {"engine": cfg.engine.model_dump(), "replica": cfg.replica.model_dump(),
@@ -427,7 +649,8 @@ def _report(options: LoadBenchOptions, cfg: ServeJobConfig, references: list[_Re
         "greedy": greedy,
         "versions_seen": dict(sorted(versions.items(), key=lambda kv: str(kv[0]))),
         "replicas": replicas, "metrics_read_errors": dict(monitor.errors),
-        "checks": _checks(run, failures, greedy, versions, replicas),
+        "newest_good_version": run.newest_good, "settled_at_s": run.settled_at_s, "s3": s3, "training": training,
+        "checks": _checks(run, failures, greedy, versions, replicas, s3, training),
         "attempts": [asdict(a) | {"text": None} for a in run.attempts if a.error or a.retry],
         "environment": environment() | {"load_average_at_start": run.load_average_at_start},
     }
@@ -435,6 +658,16 @@ def _report(options: LoadBenchOptions, cfg: ServeJobConfig, references: list[_Re
 
 def _ms(stats: dict) -> str:
     return "-" if stats["p50"] is None else f"p50 {1000 * stats['p50']:.0f} ms, p99 {1000 * stats['p99']:.0f} ms"
+
+
+def _span(start: float | None, end: float | None) -> str:
+    return "-" if start is None or end is None else f"{start:.1f}-{end:.1f} s"
+
+
+def _event_detail(event: dict) -> str:
+    if event["what"] == "s3-outage":
+        return f"{event['seconds']:g} s"
+    return str(event.get("version", event.get("replica")))
 
 
 def load_table(result: dict) -> str:
@@ -452,8 +685,9 @@ def load_table(result: dict) -> str:
         f"{result['tokens_per_s']:.1f} tokens/s over {result['seconds']:.0f} s",
         f"greedy     {g['compared'] - g['mismatches']} of {g['compared']} answers equal the AR reference",
         "versions   " + ", ".join(f"{v}: {n}" for v, n in result["versions_seen"].items()),
-        "events     " + "; ".join(f"{e['at_s']:.1f} s {e['what']} " + str(e.get("version", e.get("replica")))
-                                  for e in result["events"]),
+        "events     " + "; ".join(f"{e['at_s']:.1f} s {e['what']} " + _event_detail(e) for e in result["events"]),
+        f"settled    every live replica on v{result['newest_good_version']} (the newest good) "
+        + ("not within the settle time" if result["settled_at_s"] is None else f"at {result['settled_at_s']:.1f} s"),
         f"{'replica':<10} {'seen from':>9} {'to (s)':>7}  {'active since (s)':<24} rejected",
     ]
     for rid, r in result["replicas"].items():
@@ -461,6 +695,20 @@ def load_table(result: dict) -> str:
         since = ", ".join(f"{'AR' if v == 'None' else 'v' + v} {t:.1f}" for v, t in r["active_since_s"].items())
         rejected = ",".join(f"v{v}" for v in r["rejected"]) or "-"
         lines.append(f"{rid[:10]:<10} {r['first_seen_s']:>9.1f} {r['last_seen_s']:>7.1f}  {since:<24} {rejected}{note}")
+    s3, training = result["s3"], result["training"]
+    if s3 is not None:
+        outage = s3["outage"]
+        lines.append("s3         " + ("no outage" if outage is None else
+                                      f"outage {outage['start_s']:.1f}-{outage['end_s']:.1f} s (503 SlowDown)"))
+        lines += [f"  {name:<9} proxy: {c['forwarded']} requests forwarded, {c['refused']} refused, "
+                  f"{c['upstream_errors']} upstream errors; requests {_span(c['first_request_s'], c['last_request_s'])}"
+                  for name, c in s3["proxies"].items()]
+    if training is not None:
+        audit = training["audit"]
+        outcome = training["error"] if audit is None else (
+            f"{audit['trained']} samples trained exactly once: {audit['ok']} ({audit['duplicates']} duplicated, "
+            f"{audit['missing']} missing, {audit['leftover_features']} features left)")
+        lines.append(f"training   {_span(training['start_s'], training['end_s'])}: {outcome}")
     env = result["environment"]
     lines.append(f"machine    {env['cpus']} CPUs; load average (1 min) {env['load_average_at_start'][0]:.1f} at the start, "
                  f"{env['load_average'][0]:.1f} at the end")
