@@ -37,10 +37,9 @@ second fault proxy, which the outage refuses too. The stream starts first; the r
 clients and faults) starts once the stream deletes its first features (after its first durable
 checkpoint, DESIGN.md §4): the gang is training and the producers refill the room the deletion
 freed, so the fractions of the run fall in the stream's capture and training, not in its
-start-up. Its ledger
-audit (every sample trained exactly once, none left in the store) is reported. The ledger and the
-checkpoints stay where the manifest puts them, not behind a proxy (on ``s3://`` the gang reaches
-them through ``$SPECRAY_S3_ENDPOINT``).
+start-up. Its ledger audit (every sample trained exactly once, none left in the store) is
+reported. The ledger and the checkpoints stay where the manifest puts them, not behind a proxy
+(on ``s3://`` the gang reaches them through ``$SPECRAY_S3_ENDPOINT``).
 
 A failed attempt (an HTTP error status, an error event in the stream, a dropped connection, a
 stream that ends without a finish reason) is retried up to ``retries`` times; retries are
