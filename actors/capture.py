@@ -51,6 +51,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from tqdm import tqdm
 
 import specray.actors.object_store  # noqa: F401  (registers ray:// in the driver)
+from specray.actors.cluster import check_cluster_gpus
 from specray.capture.contract import CaptureContract
 from specray.capture.data import RenderedSample
 from specray.capture.server import CaptureServer
@@ -173,6 +174,7 @@ class CapturePool:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+        check_cluster_gpus(num_actors * num_gpus_per_actor, gpus_field="capture.num_gpus_per_actor", who="capture actors")
         # Opened here first: a ray:// store's directory then lives as long as this driver.
         self.store = open_store(store_uri, endpoint_url=endpoint_url)
         self._actor_cls = CaptureActor.options(**actor_options(num_cpus_per_actor, num_gpus_per_actor, max_restarts))

@@ -83,3 +83,16 @@ def serve_replica_on_loopback() -> None:
 
     add_on_loopback.loopback_only = True
     serve_replica.add_port_to_grpc_server = add_on_loopback
+
+
+def check_cluster_gpus(needed: float, *, gpus_field: str, who: str) -> None:
+    """Refuse ``needed`` GPUs that this Ray cluster does not hold now: Ray would queue the request
+    without a word until a GPU node joins, which on a cluster without one never happens."""
+    if needed <= 0:
+        return
+    held = ray.cluster_resources().get("GPU", 0.0)
+    if held < needed:
+        raise ValueError(
+            f"{gpus_field}: the {who} ask Ray for GPUs, {needed:g} in all, but this Ray cluster holds {held:g}, so "
+            f"they would wait for them forever: set {gpus_field}=0 with a cpu or auto device, or run on a cluster "
+            "whose GPU nodes are up (an autoscaling cluster: a minimum of GPU workers that covers the job)")

@@ -109,6 +109,7 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from specray.actors.broker import StreamFailedError, Window
+from specray.actors.cluster import check_cluster_gpus
 from specray.actors.gang_faults import FaultPlan, MidWindowCrash
 from specray.actors.gang_recovery import (AttemptPlanner, CheckpointMismatchError, FeaturesLostError, Resume,
                                           check_position, checkpoint_name, ray_path, storage_filesystem)
@@ -581,6 +582,7 @@ def run_trainer_gang(
                          f"or data.manifest for offline training; got broker={broker!r}, manifest={spec.manifest!r}")
     check_ray_devices(spec.device, gpus_per_worker, device_field=spec.device_field, gpus_field="train.gpus_per_worker",
                       who="trainer gang workers")
+    check_cluster_gpus(num_workers * gpus_per_worker, gpus_field="train.gpus_per_worker", who="trainer gang workers")
     if stream_samples is not None and (not online or stream_samples < 0):
         raise ValueError(f"stream_samples counts an online stream's samples: give it with broker= and >= 0, got "
                          f"{stream_samples} ({'online' if online else 'offline: use optim.total_steps'})")

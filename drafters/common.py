@@ -6,6 +6,9 @@ the draft vocabulary, and the base of the manifest's ``drafter`` section.
 - ``FrozenLinear``: the serving runner's product for a frozen target weight (oneDNN on a
   prepacked copy; for a few fp32 rows our own product on the weight as stored or ``F.linear``,
   where ``pick_kernels`` measured it faster on this machine).
+- ``chunked_rows``: attention computed a bounded number of queries at a time
+  (``ATTENTION_QUERY_CHUNK``), each chunk recomputed in the backward, so the scores alive at any
+  moment are ``[chunk, keys]`` and what the backward keeps is linear in the sequence.
 - ``RMSNorm``; RoPE lives in ``drafters/rope.py`` (transformers' inverse frequencies for every
   RoPE type; ``apply_rope`` with angles per position, ``rope_table`` / ``apply_rope_table`` from a
   precomputed, sign-folded table, the serving runner's form), re-exported here.
@@ -28,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
@@ -36,6 +40,25 @@ from specray.drafters.target_spec import check_supported
 from specray.kernels import decode_cpu
 
 SMALL_M = 64  # inference products with at most this many rows take the (W @ xᵀ)ᵀ layout
+ATTENTION_QUERY_CHUNK = 256  # queries whose attention scores are computed together (``chunked_rows``)
+
+
+def chunked_rows(rows: Callable[[int, int], torch.Tensor], count: int, chunk: int) -> torch.Tensor:
+    """``rows(start, stop)`` over ``0 … count`` in ranges of ``chunk``, concatenated on dim −2.
+
+    One range is one call. With several, under autograd each range is checkpointed (no
+    re-entrant autograd, no RNG state: the functions draw nothing): its forward keeps only its
+    output, and the backward recomputes the range's scores, one range at a time. So an
+    attention over ``count`` queries and ``K`` keys never holds more than ``chunk × K`` scores,
+    and keeps ``count × head_dim`` for its backward instead of ``count × K``."""
+    if count <= chunk:
+        return rows(0, count)
+    ranges = [(start, min(start + chunk, count)) for start in range(0, count, chunk)]
+    if torch.is_grad_enabled():
+        parts = [checkpoint(rows, start, stop, use_reentrant=False, preserve_rng_state=False) for start, stop in ranges]
+    else:
+        parts = [rows(start, stop) for start, stop in ranges]
+    return torch.cat(parts, dim=-2)
 
 
 def weight_major_linear(weight: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None = None, *,

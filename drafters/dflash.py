@@ -14,7 +14,7 @@ then ``logits = lm_head(norm(x))``. The embedding (for the anchor and MASK token
 head are the target's, frozen and shared: the drafter keeps references to them, they are not
 its parameters and are not in its ``state_dict`` (an export holds only the drafter's weights).
 
-Mask (``block_attention_mask``), per query of the block anchored at ``a``:
+Mask (``BlockLayout``), per query of the block anchored at ``a``:
 
 - target context key ``k`` is visible iff ``k < a`` — strictly before the anchor (seed §4.3):
   the anchor's own target hidden does not exist yet at inference time;
@@ -73,8 +73,9 @@ import torch.nn.functional as F
 from pydantic import Field, field_validator
 from torch import nn
 
-from specray.drafters.common import (DrafterSectionBase, DraftVocabHead, Linear, RMSNorm, RotaryFrequencies,
-                                     check_drafter_rope, size_limits, target_rope, target_sizes)
+from specray.drafters.common import (ATTENTION_QUERY_CHUNK, DrafterSectionBase, DraftVocabHead, Linear, RMSNorm,
+                                     RotaryFrequencies, check_drafter_rope, chunked_rows, size_limits, target_rope,
+                                     target_sizes)
 
 MAX_BLOCK_SIZE = 256  # B: block rows of one draft forward (DFlash uses 8-16)
 MAX_SLIDING_WINDOW = 1 << 20  # context positions a sliding drafter sees
@@ -281,27 +282,50 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(Bt, T, self.cfg.num_kv_heads, self.cfg.head_dim).transpose(1, 2)
         return self.rope.rotate(k, positions), v
 
-    def forward(self, x, positions, ctx_k, ctx_v, mask, query_rows: slice | None = None):
-        """x [Bt, Q, D] block states; ctx_k/ctx_v [Bt, Hkv, S, hd]; mask [Bt, Q, S + Q] bool (True = attend).
+    def forward(self, x, positions, ctx_k, ctx_v, layout: "BlockLayout", query_rows: slice | None = None):
+        """x [Bt, N·B, D] the states of N blocks (block-major); positions [Bt, N·B]; ctx_k/ctx_v
+        [Bt, Hkv, S, hd]; ``layout`` says what each block sees -> [Bt, N·R, D].
 
-        ``query_rows``: compute the output of only those block rows (every row still gives its K/V)."""
-        Bt, Q, _ = x.shape
-        xq, pq, mq = (x, positions, mask) if query_rows is None else (
-            x[:, query_rows], positions[:, query_rows], mask[:, query_rows])
-        Qq = xq.shape[1]
-        q = self.q_norm(self.q_proj(xq).view(Bt, Qq, self.cfg.num_heads, self.cfg.head_dim)).transpose(1, 2)
-        q = self.rope.rotate(q, pq)  # [Bt, H, Qq, hd]
+        ``query_rows``: compute the output of only those rows of every block (R of B; every row
+        still gives its K/V). A query's scores are its context keys and its own block's B keys, a
+        bounded number of blocks at a time (``chunked_rows``): no ``[Q, S + Q]`` tensor exists."""
+        Bt = x.shape[0]
+        B, H, Hkv, hd = self.cfg.block_size, self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
+        N = x.shape[1] // B
+        offsets = torch.arange(B, device=x.device)[query_rows or slice(None)]
+        R = len(offsets)
+        xq, pq = block_rows(x, B, query_rows), block_rows(positions, B, query_rows)
+        q = self.q_norm(self.q_proj(xq).view(Bt, N * R, H, hd)).transpose(1, 2)
+        q = self.rope.rotate(q, pq).view(Bt, Hkv, H // Hkv, N, R, hd)  # query head h reads KV head h // g
         k_d, v_d = self.project_kv(x, positions)
-        k = torch.cat([ctx_k, k_d], dim=2)  # [Bt, Hkv, S + Q, hd]
-        v = torch.cat([ctx_v, v_d], dim=2)
-        S = ctx_k.shape[2]
-        bias = torch.zeros(self.cfg.num_heads, 1, S + Q, dtype=q.dtype, device=q.device)
-        if self.block_key_bias is not None:
-            bias[:, :, S:] = self.block_key_bias.to(q.dtype)[:, None, None]  # in-block keys only
-        logit_bias = bias[None].masked_fill(~mq[:, None], float("-inf"))  # [Bt, H, Qq, S + Q]
-        # Grouped-query attention without copying K/V per query head (head h reads KV head h // g).
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=logit_bias, enable_gqa=True)  # [Bt, H, Qq, hd]
-        return self.o_proj(out.transpose(1, 2).reshape(Bt, Qq, -1))
+        k_d, v_d = k_d.view(Bt, Hkv, 1, N, B, hd), v_d.view(Bt, Hkv, 1, N, B, hd)
+        S, scale = ctx_k.shape[2], hd**-0.5
+        bias = None if self.block_key_bias is None else self.block_key_bias.to(q.dtype).view(Hkv, -1, 1, 1, 1)
+
+        def blocks(start: int, stop: int) -> torch.Tensor:  # [Bt, Hkv, g, (stop − start)·R, hd]
+            qc = q[:, :, :, start:stop] * scale  # [Bt, Hkv, g, n, R, hd]
+            n = stop - start
+            own = qc @ k_d[:, :, :, start:stop].transpose(-1, -2)  # [Bt, Hkv, g, n, R, B]
+            if bias is not None:
+                own = own + bias  # the block's own keys only
+            own = own.masked_fill(~layout.block_visible(start, stop, offsets)[:, None, None], float("-inf"))
+            # the g query heads of a KV head as rows of one product (no copy of the context K/V per
+            # head); each intermediate of the chunk's size dies as soon as the next exists
+            scores = torch.cat([
+                (qc.flatten(2, 4) @ ctx_k.transpose(-1, -2)).view(Bt, Hkv, H // Hkv, n * R, S).masked_fill(
+                    ~layout.context_visible(start, stop, R)[:, None, None], float("-inf")),
+                own.flatten(3, 4)], dim=-1)
+            context, block = scores.softmax(-1, dtype=torch.float32).to(q.dtype).split([S, B], -1)
+            out = (context.flatten(2, 3) @ ctx_v).view(Bt, Hkv, H // Hkv, n * R, hd)
+            return out + (block.unflatten(3, (n, R)) @ v_d[:, :, :, start:stop]).flatten(3, 4)
+
+        out = chunked_rows(blocks, N, max(1, ATTENTION_QUERY_CHUNK // R))  # [Bt, Hkv, g, N·R, hd]
+        return self.o_proj(out.reshape(Bt, H, N * R, hd).transpose(1, 2).reshape(Bt, N * R, H * hd))
+
+
+def block_rows(x: torch.Tensor, block_size: int, rows: slice | None) -> torch.Tensor:
+    """Rows ``rows`` of every block of x [Bt, N·B, ...] (block-major) -> [Bt, N·R, ...]; None: all of x."""
+    return x if rows is None else x.unflatten(1, (-1, block_size))[:, :, rows].flatten(1, 2)
 
 
 class DFlashLayer(nn.Module):
@@ -314,10 +338,10 @@ class DFlashLayer(nn.Module):
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x, positions, ctx_k, ctx_v, mask, query_rows: slice | None = None):
-        """``query_rows``: return only those rows (the attention still reads every row's K/V)."""
-        out = self.attn(self.input_norm(x), positions, ctx_k, ctx_v, mask, query_rows)
-        x = (x if query_rows is None else x[:, query_rows]) + out
+    def forward(self, x, positions, ctx_k, ctx_v, layout: "BlockLayout", query_rows: slice | None = None):
+        """``query_rows``: return only those rows of every block (the attention still reads every row's K/V)."""
+        out = self.attn(self.input_norm(x), positions, ctx_k, ctx_v, layout, query_rows)
+        x = block_rows(x, self.attn.cfg.block_size, query_rows) + out
         return x + self.mlp(self.post_norm(x))
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
@@ -325,40 +349,54 @@ class DFlashLayer(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
 
-def block_attention_mask(
-    anchors: torch.Tensor,  # [Bt, N] anchor positions (−1 = unused block slot)
-    context_valid: torch.Tensor,  # [Bt, S] bool, False on padding
-    block_size: int,
-    attention: str = "full",
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """[Bt, N·B, S + N·B] bool mask for N blocks over S context positions (see module docstring).
+@dataclass(frozen=True)
+class BlockLayout:
+    """What the queries of N blocks over S context positions see (module docstring), as the blocks'
+    anchors [Bt, N] (−1 = unused block slot) and the context's validity [Bt, S] (False on padding).
 
+    The attention asks for the visibility of a few blocks at a time (``context_visible``,
+    ``block_visible``); ``dense`` is the whole ``[Bt, N·B, S + N·B]`` mask, the reference.
     Example (S = 4, one block anchored at 2, B = 2, full): both block queries see context
-    ``[0, 1]`` and both block keys: rows ``[1 1 0 0 | 1 1]``.
+    ``[0, 1]`` and both block keys: dense rows ``[1 1 0 0 | 1 1]``.
     """
-    Bt, N = anchors.shape
-    S = context_valid.shape[1]
-    Q = N * block_size
-    anchor_q = anchors.repeat_interleave(block_size, dim=1)  # [Bt, Q] anchor of each query
-    k_pos = torch.arange(S, device=anchors.device)
-    ctx = (k_pos[None, None, :] < anchor_q[:, :, None]) & context_valid[:, None, :]  # strictly before the anchor
-    if attention == "sliding":
-        ctx &= k_pos[None, None, :] >= (anchor_q[:, :, None] - sliding_window)
-    block_q = torch.arange(Q, device=anchors.device) // block_size
-    offset = torch.arange(Q, device=anchors.device) % block_size
-    same = block_q[:, None] == block_q[None, :]  # [Q, Q]
-    if attention == "sliding":
-        same &= offset[None, :] <= offset[:, None]
-    used = (anchor_q >= 0)  # [Bt, Q]
-    blocks = same[None] & used[:, :, None] & used[:, None, :]
-    mask = torch.cat([ctx & used[:, :, None], blocks], dim=-1)
-    # An unused slot sees nothing; give it its own key so softmax stays finite (its loss is masked).
-    diag = torch.zeros_like(blocks)
-    rows = torch.arange(Q, device=anchors.device)
-    diag[:, rows, rows] = ~used
-    mask[:, :, S:] |= diag
-    return mask
+
+    anchors: torch.Tensor
+    context_valid: torch.Tensor
+    block_size: int
+    attention: str = "full"
+    sliding_window: int | None = None
+
+    def context_visible(self, start: int, stop: int, rows: int) -> torch.Tensor:
+        """[Bt, (stop − start)·rows, S] bool: the context keys each of ``rows`` queries of blocks
+        ``start … stop − 1`` sees — strictly before its anchor, valid, and inside the window
+        with sliding attention; none for an unused slot (anchor −1)."""
+        anchor = self.anchors[:, start:stop].repeat_interleave(rows, dim=1)[:, :, None]  # [Bt, n·R, 1]
+        key = torch.arange(self.context_valid.shape[1], device=self.anchors.device)
+        seen = (key < anchor) & self.context_valid[:, None, :]
+        if self.attention == "sliding":
+            seen &= key >= anchor - self.sliding_window
+        return seen
+
+    def block_visible(self, start: int, stop: int, offsets: torch.Tensor) -> torch.Tensor:
+        """[Bt, n, R, B] bool: the own-block keys a query at block offset ``offsets`` [R] sees — every
+        one (full) or those at offsets ``<=`` its own (sliding); an unused slot sees only its own
+        row's key, so its softmax stays finite (its loss is masked)."""
+        key = torch.arange(self.block_size, device=self.anchors.device)
+        own = key[None, :] == offsets[:, None]  # [R, B]
+        seen = torch.ones_like(own) if self.attention == "full" else key[None, :] <= offsets[:, None]
+        used = (self.anchors[:, start:stop] >= 0)[:, :, None, None]  # [Bt, n, 1, 1]
+        return torch.where(used, seen, own)
+
+    def dense(self) -> torch.Tensor:
+        """[Bt, N·B, S + N·B] bool: the whole mask, context keys then every block's keys."""
+        Bt, N = self.anchors.shape
+        B = self.block_size
+        offsets = torch.arange(B, device=self.anchors.device)
+        context = self.context_visible(0, N, B)
+        blocks = torch.zeros(Bt, N, B, N, B, dtype=torch.bool, device=self.anchors.device)
+        index = torch.arange(N, device=self.anchors.device)
+        blocks[:, index, :, index] = self.block_visible(0, N, offsets).transpose(0, 1)
+        return torch.cat([context, blocks.view(Bt, N * B, N * B)], dim=-1)
 
 
 class DFlashDrafter(DraftVocabHead, nn.Module):
@@ -416,16 +454,17 @@ class DFlashDrafter(DraftVocabHead, nn.Module):
                            dtype=anchor_ids.dtype, device=anchor_ids.device)
         return torch.cat([anchor_ids[..., None], masks], dim=-1)
 
-    def forward_block(self, block_ids, positions, ctx_kv, mask, out_rows: slice | None = None) -> torch.Tensor:
-        """block_ids/positions [Bt, Q]; ctx_kv per layer; mask [Bt, Q, S + Q] -> hidden [Bt, Q, D].
+    def forward_block(self, block_ids, positions, ctx_kv, layout: BlockLayout,
+                      out_rows: slice | None = None) -> torch.Tensor:
+        """block_ids/positions [Bt, N·B]; ctx_kv per layer; ``layout`` of the N blocks -> hidden [Bt, N·B, D].
 
-        ``out_rows`` returns only those block rows [Bt, |out_rows|, D]: the last layer computes
+        ``out_rows`` returns only those rows of every block [Bt, N·|out_rows|, D]: the last layer computes
         queries, attention output and MLP for them alone (serving, which verifies k ≤ m drafts);
         earlier layers need every row, whose states feed the next layer's K/V."""
         x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)
         last = len(self.layers) - 1
         for i, (layer, (k, v)) in enumerate(zip(self.layers, ctx_kv)):
-            x = layer(x, positions, k, v, mask, out_rows if i == last else None)
+            x = layer(x, positions, k, v, layout, out_rows if i == last else None)
         return self.norm(x)
 
     def block_hidden(self, hidden_states, context_valid, anchor_ids, anchors) -> torch.Tensor:
@@ -442,8 +481,8 @@ class DFlashDrafter(DraftVocabHead, nn.Module):
         ctx_kv = self.context_kv(context, ctx_pos)
         block_ids = self.block_inputs(anchor_ids).reshape(Bt, N * B)
         positions = (anchors.clamp(min=0)[..., None] + torch.arange(B, device=anchors.device)).reshape(Bt, N * B)
-        mask = block_attention_mask(anchors, context_valid, B, self.config.attention, self.config.sliding_window)
-        return self.forward_block(block_ids, positions, ctx_kv, mask).view(Bt, N, B, -1)
+        layout = BlockLayout(anchors, context_valid, B, self.config.attention, self.config.sliding_window)
+        return self.forward_block(block_ids, positions, ctx_kv, layout).view(Bt, N, B, -1)
 
     def forward(self, hidden_states, context_valid, anchor_ids, anchors) -> torch.Tensor:
         """Training forward over many blocks per sequence (arguments as ``block_hidden``).

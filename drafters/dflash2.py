@@ -45,7 +45,8 @@ from pydantic import Field
 from torch import nn
 
 from specray.drafters.common import MAX_RANK_MULTIPLE, Linear
-from specray.drafters.dflash import MAX_BLOCK_SIZE, DFlashConfig, DFlashDrafter, DFlashLayer, DFlashSection
+from specray.drafters.dflash import (MAX_BLOCK_SIZE, DFlashConfig, DFlashDrafter, DFlashLayer, DFlashSection,
+                                     block_rows)
 from specray.drafters.dflash import debug_config as dflash_debug_config
 
 
@@ -154,18 +155,18 @@ class DFlash2Layer(DFlashLayer):
         self.attention_conv = GroupedDynamicConv(cfg)
         self.mlp_conv = GroupedDynamicConv(cfg)
 
-    def forward(self, x, positions, ctx_k, ctx_v, mask, query_rows: slice | None = None):
+    def forward(self, x, positions, ctx_k, ctx_v, layout, query_rows: slice | None = None):
         """As DFlash's layer; ``query_rows`` rows are computed from the block's first row on (the
         convolution reads the rows before each), then cut."""
         rows = None if query_rows is None else slice(0, query_rows.stop)
         h, out_delta = self.attention_conv.prepare(self.input_norm(x))
-        out = self.attn(h, positions, ctx_k, ctx_v, mask, rows)  # every row's K/V, queries of rows only
-        if rows is not None:
-            x, out_delta = x[:, rows], out_delta[:, rows]
+        out = self.attn(h, positions, ctx_k, ctx_v, layout, rows)  # every row's K/V, queries of rows only
+        B = self.attn.cfg.block_size
+        x, out_delta = block_rows(x, B, rows), block_rows(out_delta, B, rows)
         x = x + self.attention_conv.finish(out, out_delta)
         h, out_delta = self.mlp_conv.prepare(self.post_norm(x))
         x = x + self.mlp_conv.finish(self.mlp(h), out_delta)
-        return x if query_rows is None else x[:, query_rows]
+        return x if query_rows is None else block_rows(x, query_rows.stop, query_rows)
 
 
 class CandidateSelector(nn.Module):

@@ -30,7 +30,8 @@ Two ways to run the layer stack, one per consumer:
 - ``forward`` (training, ``trainer/strategies/eagle3.py``): the training-time test unrolled
   ``ttt_length`` steps over every row of a sequence at once, step ``i`` fed step ``i − 1``'s
   output states and the teacher-forced tokens ``x_{t+1+i}`` at positions ``t + 1 + i``, under
-  ``ttt_attention_mask`` (computed by ``ttt_attention`` without materialising it);
+  ``ttt_attention_mask`` (computed by ``ttt_attention`` without materialising it, a bounded
+  number of rows at a time: memory linear in the sequence);
 - ``forward_cached`` (serving, ``serving/workers/eagle3.py``): new rows over a per-request KV
   cache with an explicit boolean mask (causal over the cache and the new rows).
 """
@@ -45,8 +46,9 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from specray.drafters.common import (DrafterSectionBase, DraftVocabHead, Linear, RMSNorm, RotaryFrequencies,
-                                     check_drafter_rope, size_limits, target_rope, target_sizes)
+from specray.drafters.common import (ATTENTION_QUERY_CHUNK, DrafterSectionBase, DraftVocabHead, Linear, RMSNorm,
+                                     RotaryFrequencies, check_drafter_rope, chunked_rows, size_limits, target_rope,
+                                     target_sizes)
 
 
 @dataclass(frozen=True)
@@ -224,10 +226,12 @@ def ttt_attention_mask(seq_len: int, step: int, device: torch.device | str = "cp
     return torch.cat([causal] + [diagonal] * step, dim=1)
 
 
-def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                  chunk: int = ATTENTION_QUERY_CHUNK) -> torch.Tensor:
     """Attention of step ``i = len(keys) − 1`` under ``ttt_attention_mask(S, i)``, without the
-    ``(i + 1)·S``-wide key axis: block 0 is ``ttt_attention_mask(S, 0)`` (causal) and every later
-    block is a diagonal, whose scores are one dot product per row.
+    ``(i + 1)·S``-wide key axis: block 0 is causal and every later block is a diagonal, whose scores
+    are one dot product per row. Rows are taken ``chunk`` at a time (``chunked_rows``): a range of
+    rows ``r0 … r1`` reads the step-0 keys ``< r1`` only, so no ``[S, S]`` score matrix exists.
 
     q [B, H, S, hd]; keys/values: per step ``0 … i``, [B, Hkv, S, hd] -> [B, H, S, hd].
     Grouped-query: query head ``h`` reads KV head ``h // (H / Hkv)``.
@@ -236,15 +240,26 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
     Hkv = keys[0].shape[1]
     qg = q.view(B, Hkv, H // Hkv, S, hd)
     scale = hd**-0.5
-    causal = ttt_attention_mask(S, 0, q.device)
-    block0 = (qg @ keys[0][:, :, None].transpose(-1, -2)) * scale  # [B, Hkv, g, S, S]
-    block0 = block0.masked_fill(~causal, float("-inf"))
-    diagonals = [(qg * k[:, :, None]).sum(-1, keepdim=True) * scale for k in keys[1:]]  # each [B, Hkv, g, S, 1]
-    probs = torch.cat([block0, *diagonals], dim=-1).softmax(-1, dtype=torch.float32).to(q.dtype)
-    out = probs[..., :S] @ values[0][:, :, None]  # [B, Hkv, g, S, hd]
-    for j, v in enumerate(values[1:]):
-        out = out + probs[..., S + j : S + j + 1] * v[:, :, None]
-    return out.view(B, H, S, hd)
+    keys, values = list(keys), list(values)  # the caller's lists grow with later steps; a backward recomputes this one
+
+    def rows(start: int, stop: int) -> torch.Tensor:  # [B, Hkv, g, stop − start, hd]
+        qc = qg[:, :, :, start:stop] * scale  # [B, Hkv, g, C, hd]
+        C = stop - start
+        row = torch.arange(start, stop, device=q.device)
+        hidden = torch.arange(stop, device=q.device)[None, :] > row[:, None]  # causal
+        # the g query heads of a KV head as rows of one product (no copy of K/V per query head); each
+        # intermediate of the chunk's size dies as soon as the next exists
+        scores = torch.cat([
+            (qc.flatten(2, 3) @ keys[0][:, :, :stop].transpose(-1, -2)).view(B, Hkv, H // Hkv, C, stop).masked_fill(
+                hidden, float("-inf")),
+            *[(qc * k[:, :, None, start:stop]).sum(-1, keepdim=True) for k in keys[1:]]], dim=-1)
+        context, *chain = scores.softmax(-1, dtype=torch.float32).to(q.dtype).split([stop] + [1] * len(keys[1:]), -1)
+        out = (context.flatten(2, 3) @ values[0][:, :, :stop]).view(B, Hkv, H // Hkv, C, hd)
+        for p, v in zip(chain, values[1:]):
+            out = out + p * v[:, :, None, start:stop]
+        return out
+
+    return chunked_rows(rows, S, chunk).reshape(B, H, S, hd)
 
 
 class Eagle3Drafter(DraftVocabHead, nn.Module):

@@ -86,11 +86,22 @@ def swiglu(rows: float, intermediate: int, a: int) -> float:
     return 4 * rows * intermediate * a
 
 
-def dense_attention(batch: int, heads: int, queries: int, keys: int) -> tuple[float, float]:
-    """Attention through materialised fp32 scores ``[B, H, Q, K]``: (kept: the softmax's output,
-    short-lived: two more of them, in the forward and again in the backward)."""
-    scores = batch * heads * queries * keys * FP32
-    return scores, 2 * scores
+def chunked_attention(batch: int, heads: int, queries: int, keys: int, a: int, *, chunk: int,
+                      mask_rows: int = 0) -> tuple[float, float]:
+    """Attention of ``queries`` rows over ``keys`` keys each through ``chunked_rows``, ``chunk`` rows at
+    a time (``drafters/common.py``), fp32 softmax: (kept, short-lived).
+
+    In one chunk it keeps its probabilities (fp32, and their ``a``-byte copy under bf16) and its
+    boolean mask (``mask_rows × keys`` bytes: ``batch × queries`` for a per-sequence mask, 0 for a
+    shared one); two more score tensors live briefly, in the forward and the backward. In several
+    chunks it keeps nothing (its backward recomputes each chunk), and three tensors of one chunk's
+    scores are alive at a time (in the backward: the recomputed probabilities, their gradient, the
+    scores' gradient)."""
+    rows = min(queries, chunk)
+    scores = batch * heads * rows * keys * FP32
+    if queries <= chunk:
+        return scores * (1 + (a / FP32 if a < FP32 else 0)) + mask_rows * keys, 2 * scores
+    return 0.0, 3 * scores
 
 
 def vocab_rows(rows: float, width: int, tensors: int) -> float:

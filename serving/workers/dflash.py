@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from specray.drafters.dflash import DFlashDrafter, block_attention_mask
+from specray.drafters.dflash import BlockLayout, DFlashDrafter
 from specray.serving.kv_cache import SlotKVCache
 from specray.serving.runner import LlamaRunner
 from specray.serving.sampling import process
@@ -128,8 +128,8 @@ class DFlashWorker:
         n = n.to(self.device)
         positions = n[:, None] + torch.arange(self.block_size, device=self.device)
         valid = torch.arange(ctx_len, device=self.device)[None, :] < n[:, None]
-        mask = block_attention_mask(n[:, None], valid, self.block_size, self.cfg.attention, self.cfg.sliding_window)
-        return self.drafter.forward_block(block, positions, ctx_kv, mask, rows)
+        layout = BlockLayout(n[:, None], valid, self.block_size, self.cfg.attention, self.cfg.sliding_window)
+        return self.drafter.forward_block(block, positions, ctx_kv, layout, rows)
 
     @torch.inference_mode()
     def propose(self, slots: list[int], anchors: list[int], params, generators, k: int):

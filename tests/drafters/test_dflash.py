@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from specray.drafters.common import SMALL_M, Linear
-from specray.drafters.dflash import DFlashConfig, DFlashDrafter, block_attention_mask
+from specray.drafters.dflash import DFlashConfig, BlockLayout, DFlashDrafter
 
 D, V, L = 32, 50, 3
 
@@ -26,7 +26,7 @@ def _inputs(S=12, anchors=((3, 7),)):
 
 def test_tiny_mask_equals_hand_written():
     # S = 4 context positions, blocks anchored at 2 and 0 plus an unused slot, B = 2, full attention
-    mask = block_attention_mask(torch.tensor([[2, 0, -1]]), torch.tensor([[True, True, True, False]]), 2)
+    mask = BlockLayout(torch.tensor([[2, 0, -1]]), torch.tensor([[True, True, True, False]]), 2).dense()
     expected = torch.tensor([
         # ctx 0 1 2 3 | block0 | block1 | unused
         [1, 1, 0, 0, 1, 1, 0, 0, 0, 0],  # anchor 2, offset 0: sees context < 2 only
@@ -40,7 +40,7 @@ def test_tiny_mask_equals_hand_written():
 
 
 def test_sliding_mask_is_causal_in_block_and_windowed():
-    mask = block_attention_mask(torch.tensor([[3]]), torch.ones(1, 4, dtype=torch.bool), 3, "sliding", sliding_window=2)
+    mask = BlockLayout(torch.tensor([[3]]), torch.ones(1, 4, dtype=torch.bool), 3, "sliding", sliding_window=2).dense()
     expected = torch.tensor([
         [0, 1, 1, 0, 1, 0, 0],
         [0, 1, 1, 0, 1, 1, 0],
@@ -246,7 +246,7 @@ def test_forward_block_of_some_rows_equals_those_rows_of_the_whole_block(num_lay
     kv = model.context_kv(ctx, torch.arange(S)[None])
     block = model.block_inputs(torch.tensor([[7]]))[0]
     positions = S + torch.arange(4)[None]
-    mask = block_attention_mask(torch.tensor([[S]]), torch.ones(1, S, dtype=torch.bool), 4)
+    mask = BlockLayout(torch.tensor([[S]]), torch.ones(1, S, dtype=torch.bool), 4)
     with torch.no_grad():
         full = model.forward_block(block, positions, kv, mask)
         for rows in (slice(1, 2), slice(1, 3), slice(1, 4)):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from specray.drafters.dflash import DFlashConfig, DFlashDrafter, block_attention_mask
+from specray.drafters.dflash import DFlashConfig, BlockLayout, DFlashDrafter
 from specray.drafters.dflash2 import DFlash2Config, DFlash2Drafter, grouped_dynamic_conv
 from specray.kernels.selector_walk import selector_walk
 
@@ -93,7 +93,7 @@ def test_serving_block_rows_equal_the_training_forward():
         train = dflash2(hidden, valid, anchor_ids, anchors).hidden[0, 0]  # [m, D]
         ctx = dflash2.project_context(hidden[:, :7])
         kv = dflash2.context_kv(ctx, torch.arange(7)[None])
-        mask = block_attention_mask(anchors, valid[:, :7], 4)
+        mask = BlockLayout(anchors, valid[:, :7], 4)
         block = dflash2.block_inputs(anchor_ids).view(1, 4)
         served = dflash2.forward_block(block, 7 + torch.arange(4)[None], kv, mask, slice(1, 3))[0]
     torch.testing.assert_close(served, train[:2], rtol=1e-5, atol=1e-5)

@@ -26,6 +26,9 @@ STEPS = [
     ("debug", "dflash", 4, 512, {}, {"num_anchors": 64}),
     ("debug", "dspark", 4, 512, {}, {"num_anchors": 64}),
     ("debug", "dflash2", 4, 512, {}, {"num_anchors": 64}),
+    # attention in several chunks of queries (drafters/common.py::chunked_rows)
+    ("debug", "eagle3", 1, 1024, {}, {}),
+    ("debug", "dflash", 1, 2048, {}, {"num_anchors": 256}),
     pytest.param(EMBEDDED, "eagle3", 2, 256, {"draft_vocab_size": 8192}, {}, marks=pytest.mark.slow),
     pytest.param(EMBEDDED, "dflash", 1, 1024, {}, {"num_anchors": 128}, marks=pytest.mark.slow),
     pytest.param(EMBEDDED, "dspark", 1, 512, {"draft_vocab_size": 8192}, {"num_anchors": 64}, marks=pytest.mark.slow),
@@ -58,6 +61,19 @@ def test_the_trainer_rank_estimate_agrees_with_a_measured_step(target, algorithm
     real = measured({"target": target, "algorithm": algorithm, "micro_batch": batch, "seq_len": seq_len,
                      "drafter": drafter, "objective": objective})
     assert abs(stages["trainer rank"] / real - 1) <= TOLERANCE, (stages["trainer rank"], real)
+
+
+@pytest.mark.parametrize("algorithm, anchors_per_position", [("eagle3", None), ("dflash", 1 / 8)])
+def test_a_step_s_memory_grows_linearly_in_the_sequence(algorithm, anchors_per_position):
+    """Real steps at S = 512, 1024, 2048 (DFlash with a fixed share of positions anchored, so its
+    queries grow with S too): peak = static + a·S at most doubles per doubling of S; an attention
+    that materialised [S, S] or [Q, S + Q] scores would come close to quadrupling."""
+    peaks = []
+    for seq_len in (512, 1024, 2048):
+        objective = {} if anchors_per_position is None else {"num_anchors": int(seq_len * anchors_per_position)}
+        peaks.append(measured({"target": "debug", "algorithm": algorithm, "micro_batch": 1, "seq_len": seq_len,
+                               "drafter": {}, "objective": objective}))
+    assert peaks[1] / peaks[0] < 2.2 and peaks[2] / peaks[1] < 2.2, peaks
 
 
 @pytest.mark.parametrize("target, algorithm, tokens, length", [

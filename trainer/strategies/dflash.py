@@ -8,7 +8,7 @@ Per sequence of a TrainBatch:
    drawn without replacement, uniformly, from a generator seeded by (seed, step, micro-batch
    index), so a resumed run draws the same anchors.
 2. **Blocks** ``[x_a, MASK × (B−1)]`` at positions ``a … a+B−1``; the drafter sees target
-   context only at positions ``< a`` (``drafters/dflash.py::block_attention_mask``).
+   context only at positions ``< a`` (``drafters/dflash.py::BlockLayout``).
 3. **Loss.** Block position ``j = 1 … m`` predicts ``x[a+j]``, supervised where ``a+j`` is in the
    sequence and ``loss_mask[a+j]`` (``M``) — and, with a draft vocabulary, where ``x[a+j]`` is in
    it (a token the drafter cannot propose has no target in its softmax)::
@@ -36,7 +36,8 @@ from torch import nn
 
 from specray.drafters.dflash import DFlashConfig, DFlashDrafter
 from specray.trainer.loader import TrainBatch
-from specray.trainer.memory import FP32, ActivationMemory, StepShape, rmsnorm, rope, swiglu, vocab_rows
+from specray.drafters.common import ATTENTION_QUERY_CHUNK
+from specray.trainer.memory import ActivationMemory, StepShape, chunked_attention, rmsnorm, rope, swiglu, vocab_rows
 
 
 class DFlashObjective(BaseModel):
@@ -194,25 +195,26 @@ def backbone_memory(config: DFlashConfig, anchors: int, shape: StepShape, out: A
                     *, layer_extra: float = 0.0) -> int:
     """Count into ``out`` what the DFlash backbone (``DFlashDrafter.block_hidden``) keeps for ``anchors``
     blocks per sequence: the context's projection and per-layer K/V over all ``S`` positions, the
-    float attention bias ``[Bt, H, Q, S + Q]`` per layer (``Q = anchors × block_size``), the block rows'
-    activations, plus ``layer_extra`` bytes per block row and layer (a variant's additions). Returns
-    the number of blocks (``Bt × anchors``)."""
+    block attention per layer (``Q = anchors × block_size`` queries over ``S + block_size`` keys, in
+    chunks of whole blocks), the block rows' activations, plus ``layer_extra`` bytes per block row and
+    layer (a variant's additions). Returns the number of blocks (``Bt × anchors``)."""
     Bt, S, a, R = shape.batch, shape.seq_len, shape.act_bytes, shape.rows
     D, H, Hkv, hd, I = (config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
                         config.intermediate_size)
     Q = anchors * config.block_size
     BQ = Bt * Q
     out.keep("layers", R * D * a + rmsnorm(R, D, a))  # fc output, context norm
-    out.keep("attention", Bt * Q * (S + Q))  # the boolean block mask (one byte per entry)
     for _ in range(config.num_layers):
         k = R * Hkv * hd * a + rmsnorm(R * Hkv, hd, a) + rope(R, Hkv, hd, a)  # context K: proj, k_norm, RoPE
         out.keep("layers", k + R * Hkv * hd * a)  # + context V
         q = BQ * H * hd * a + rmsnorm(BQ * H, hd, a) + rope(BQ, H, hd, a)
         k_d = BQ * Hkv * hd * a + rmsnorm(BQ * Hkv, hd, a) + rope(BQ, Hkv, hd, a)
-        kv = 2 * Bt * (S + Q) * Hkv * hd * a  # context and block K/V side by side
         norms = 2 * rmsnorm(BQ, D, a) + 2 * BQ * D * a  # input and post norms, the layer's input and residual
-        out.keep("layers", norms + q + k_d + BQ * Hkv * hd * a + kv + 2 * BQ * H * hd * a + swiglu(BQ, I, a)
+        out.keep("layers", norms + q + k_d + BQ * Hkv * hd * a + 2 * BQ * H * hd * a + swiglu(BQ, I, a)
                  + BQ * layer_extra)
-        out.keep("attention", Bt * H * Q * (S + Q) * FP32)  # the float bias the mask becomes
+        chunk = max(1, ATTENTION_QUERY_CHUNK // config.block_size) * config.block_size  # whole blocks
+        kept, short = chunked_attention(Bt, H, Q, S + config.block_size, a, chunk=chunk, mask_rows=BQ)
+        out.spike(short)
+        out.keep("attention", kept)
     out.keep("layers", BQ * D * a + rmsnorm(BQ, D, a))  # the final norm
     return Bt * anchors

@@ -39,7 +39,8 @@ from torch import nn
 
 from specray.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from specray.trainer.loader import TrainBatch
-from specray.trainer.memory import ActivationMemory, StepShape, dense_attention, rmsnorm, rope, swiglu, vocab_rows
+from specray.drafters.common import ATTENTION_QUERY_CHUNK
+from specray.trainer.memory import ActivationMemory, StepShape, chunked_attention, rmsnorm, rope, swiglu, vocab_rows
 
 TEACHER_CHUNK = 1024  # rows per full-vocabulary product when taking the teacher's argmax
 
@@ -181,8 +182,8 @@ class Eagle3Strategy:
     @staticmethod
     def activation_memory(config: Eagle3Config, objective: Eagle3Objective, shape: StepShape) -> ActivationMemory:
         """What one micro-batch's ``forward_loss`` keeps for its backward (``trainer/memory.py``): the
-        teacher, then per TTT step the layers' activations, the fp32 attention scores over the row's
-        context and chain (``ttt_attention``), and the step's logits, log-softmax and teacher rows."""
+        teacher, then per TTT step the layers' activations, the attention over the row's context and
+        chain (``ttt_attention``, in chunks of rows), and the step's logits, log-softmax and teacher rows."""
         B, S, a, R = shape.batch, shape.seq_len, shape.act_bytes, shape.rows
         D, H, Hkv, hd, I = (config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
                             config.intermediate_size)
@@ -198,7 +199,7 @@ class Eagle3Strategy:
                 qkv = R * (H + 2 * Hkv) * hd * a + rope(R, H, hd, a) + rope(R, Hkv, hd, a)
                 out.keep("layers", norms + R * (width + 2 * D + H * hd) * a  # qkv input, state, y, o_proj input
                          + qkv + swiglu(R, I, a))
-                kept, short = dense_attention(B, H, S, S + step)
+                kept, short = chunked_attention(B, H, S, S + step, a, chunk=ATTENTION_QUERY_CHUNK)
                 out.spike(short)
                 out.keep("attention", kept)
             rows = B * max(S - 2 - step, 0)  # supervised rows at this depth
