@@ -8,7 +8,8 @@ the draft vocabulary, and the base of the manifest's ``drafter`` section.
   where ``pick_kernels`` measured it faster on this machine).
 - ``chunked_rows``: attention computed a bounded number of queries at a time
   (``ATTENTION_QUERY_CHUNK``), each chunk recomputed in the backward, so the scores alive at any
-  moment are ``[chunk, keys]`` and what the backward keeps is linear in the sequence.
+  moment are ``[chunk, keys]`` and what the backward keeps is linear in the sequence; the
+  trainer's vocabulary losses run through it the same way (``trainer/vocab_loss.py``).
 - ``RMSNorm``; RoPE lives in ``drafters/rope.py`` (transformers' inverse frequencies for every
   RoPE type; ``apply_rope`` with angles per position, ``rope_table`` / ``apply_rope_table`` from a
   precomputed, sign-folded table, the serving runner's form), re-exported here.
@@ -43,14 +44,16 @@ SMALL_M = 64  # inference products with at most this many rows take the (W @ x�
 ATTENTION_QUERY_CHUNK = 256  # queries whose attention scores are computed together (``chunked_rows``)
 
 
-def chunked_rows(rows: Callable[[int, int], torch.Tensor], count: int, chunk: int) -> torch.Tensor:
-    """``rows(start, stop)`` over ``0 … count`` in ranges of ``chunk``, concatenated on dim −2.
+def chunked_rows(rows: Callable[[int, int], Any], count: int, chunk: int, *, dim: int = -2) -> Any:
+    """``rows(start, stop)`` over ``0 … count`` in ranges of ``chunk``, its outputs (a tensor or a tuple
+    of tensors) concatenated on ``dim``.
 
     One range is one call. With several, under autograd each range is checkpointed (no
     re-entrant autograd, no RNG state: the functions draw nothing): its forward keeps only its
-    output, and the backward recomputes the range's scores, one range at a time. So an
-    attention over ``count`` queries and ``K`` keys never holds more than ``chunk × K`` scores,
-    and keeps ``count × head_dim`` for its backward instead of ``count × K``."""
+    outputs, and the backward recomputes the range, one range at a time. So an attention over
+    ``count`` queries and ``K`` keys never holds more than ``chunk × K`` scores, and keeps
+    ``count × head_dim`` for its backward instead of ``count × K``; a loss over a vocabulary keeps
+    one chunk's ``[chunk, V]`` logits at a time."""
     if count <= chunk:
         return rows(0, count)
     ranges = [(start, min(start + chunk, count)) for start in range(0, count, chunk)]
@@ -58,7 +61,9 @@ def chunked_rows(rows: Callable[[int, int], torch.Tensor], count: int, chunk: in
         parts = [checkpoint(rows, start, stop, use_reentrant=False, preserve_rng_state=False) for start, stop in ranges]
     else:
         parts = [rows(start, stop) for start, stop in ranges]
-    return torch.cat(parts, dim=-2)
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat(column, dim=dim) for column in zip(*parts))
+    return torch.cat(parts, dim=dim)
 
 
 def weight_major_linear(weight: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None = None, *,

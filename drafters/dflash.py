@@ -484,11 +484,13 @@ class DFlashDrafter(DraftVocabHead, nn.Module):
         layout = BlockLayout(anchors, context_valid, B, self.config.attention, self.config.sliding_window)
         return self.forward_block(block_ids, positions, ctx_kv, layout).view(Bt, N, B, -1)
 
-    def forward(self, hidden_states, context_valid, anchor_ids, anchors) -> torch.Tensor:
+    def forward(self, hidden_states, context_valid, anchor_ids, anchors, head: bool = True) -> torch.Tensor:
         """Training forward over many blocks per sequence (arguments as ``block_hidden``).
 
         Returns logits [Bt, N, B − 1, V] (V_d with a draft vocabulary): entry ``j − 1`` of block n predicts token ``anchor + j``
-        (the anchor row predicts nothing in DFlash, so the LM head skips it).
+        (the anchor row predicts nothing in DFlash, so the LM head skips it). ``head=False``: the
+        final states those logits are computed from [Bt, N, B − 1, D] (a loss that applies the
+        frozen head a chunk of rows at a time, ``trainer/vocab_loss.py``).
         """
         hidden = self.block_hidden(hidden_states, context_valid, anchor_ids, anchors)  # [Bt, N, B, D]
-        return self.logits(hidden[:, :, 1:])
+        return self.logits(hidden[:, :, 1:]) if head else hidden[:, :, 1:]

@@ -325,14 +325,17 @@ class Eagle3Drafter(DraftVocabHead, nn.Module):
 
         return self.run_layers(state, token_ids, positions, attend), new_kv
 
-    def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, logit_rows: torch.Tensor) -> list[torch.Tensor]:
+    def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, logit_rows: torch.Tensor,
+                head: bool = True) -> list[torch.Tensor]:
         """Training: the training-time test over every row of right-padded sequences.
 
         hidden_states [B, S, L·D] target features; input_ids [B, S]; logit_rows [N_ttt, B, S] bool,
         the rows whose logits each TTT step returns. Step ``i`` row ``t`` reads token
         ``x_{t+1+i}`` (0 past the end) at position ``t + 1 + i`` and, at ``i = 0``, the target
         state ``g_t``, else its own output state of step ``i − 1``; it predicts ``x_{t+2+i}``.
-        Returns per step the logits of its selected rows [N_i, V_d] (row-major over (b, t))."""
+        Returns per step the logits of its selected rows [N_i, V_d] (row-major over (b, t));
+        ``head=False``: their normed states [N_i, D], which the LM head reads (a loss that applies
+        the frozen head a chunk of rows at a time, ``trainer/vocab_loss.py``)."""
         B, S = input_ids.shape
         state = self.fuse(hidden_states)  # [B, S, D]
         keys: list[list[torch.Tensor]] = [[] for _ in self.layers]
@@ -349,5 +352,6 @@ class Eagle3Drafter(DraftVocabHead, nn.Module):
             tokens = F.pad(input_ids[:, shift:], (0, min(shift, S)))  # [B, S]: x_{t+1+i}
             positions = (torch.arange(S, device=input_ids.device) + shift).expand(B, S)
             state = self.run_layers(state, tokens, positions, attend)
-            logits.append(self.compute_logits(state[logit_rows[step]]))
+            rows = state[logit_rows[step]]
+            logits.append(self.compute_logits(rows) if head else self.norm(rows))
         return logits

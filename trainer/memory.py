@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from specray.trainer.vocab_loss import rows_per_chunk
+
 FP32 = 4
 
 
@@ -107,6 +109,18 @@ def chunked_attention(batch: int, heads: int, queries: int, keys: int, a: int, *
 def vocab_rows(rows: float, width: int, tensors: int) -> float:
     """``tensors`` fp32 ``[rows, width]`` tensors over a (draft) vocabulary of ``width``."""
     return rows * width * FP32 * tensors
+
+
+def chunked_vocab(rows: float, width: int, *, kept: int, short: int) -> tuple[float, float]:
+    """A loss over a ``width``-wide vocabulary on ``rows`` rows through ``over_rows``
+    (``trainer/vocab_loss.py``): (kept, short-lived). In one chunk it keeps ``kept`` fp32
+    ``[rows, width]`` tensors and ``short`` more live briefly; in several it keeps its per-row
+    outputs only (a float and an index per row), and one chunk's ``kept + short`` tensors are alive
+    at a time (its recomputation in the backward)."""
+    chunk = rows_per_chunk(width)
+    if rows <= chunk:
+        return vocab_rows(rows, width, kept), vocab_rows(rows, width, short)
+    return rows * (FP32 + 8), vocab_rows(chunk, width, kept + short)
 
 
 # -- the whole rank -----------------------------------------------------------------------------

@@ -36,14 +36,15 @@ def test_selector_ce_skips_exactly_the_labels_outside_the_candidates():
 
 
 class _Unary(nn.Module):
-    """DFlash's view of a DFlash 2: its unary logits (``.module`` is the drafter, as under DDP)."""
+    """DFlash's view of a DFlash 2: the states of its unary logits (``.module`` is the drafter, as under DDP)."""
 
     def __init__(self, drafter):
         super().__init__()
         self.module = drafter
 
-    def forward(self, *inputs):
-        return self.module(*inputs).logits
+    def forward(self, *inputs, head=True):
+        out = self.module(*inputs)
+        return out.logits if head else out.hidden
 
 
 def _batch(T=16):

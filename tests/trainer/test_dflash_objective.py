@@ -101,3 +101,40 @@ def test_draft_vocabulary_loss_skips_uncovered_labels_and_counts_them_as_misses(
     assert metrics["count"].sum() > metrics["covered"].sum() > 0  # some labels (4, 7) are not covered
     summary = DFlashStrategy.summarize(metrics)
     assert summary["coverage"] == pytest.approx(float(metrics["covered"].sum() / metrics["count"].sum()))
+
+
+def test_a_loss_in_vocabulary_chunks_equals_the_loss_in_one(monkeypatch):
+    """Loss, metric sums and gradients with the LM head and the CE taken 5 rows at a time (checkpointed
+    chunks) equal those of one chunk."""
+    from torch import nn
+
+    from specray.drafters.dflash import DFlashConfig, DFlashDrafter
+    from specray.trainer import vocab_loss
+    from specray.trainer.loader import TrainBatch
+    from specray.trainer.strategies.dflash import DFlashObjective, DFlashStrategy
+
+    D, V, T = 16, 12, 24
+    cfg = DFlashConfig(hidden_size=D, vocab_size=V, target_layer_ids=(1, 2), mask_token_id=0, num_layers=1,
+                       num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32, block_size=4)
+    torch.manual_seed(0)
+    model = DFlashDrafter(cfg, embed_tokens=nn.Embedding(V, D), lm_head=nn.Linear(D, V, bias=False))
+    g = torch.Generator().manual_seed(1)
+    batch = TrainBatch(input_ids=torch.randint(0, V, (2, T), generator=g), loss_mask=torch.ones(2, T, dtype=torch.bool),
+                       attention_mask=torch.ones(2, T, dtype=torch.bool), hidden_states=torch.randn(2, T, 2 * D),
+                       last_hidden_states=None, sample_ids=["a", "b"], num_tokens=2 * T)
+    strategy = DFlashStrategy(DFlashObjective(num_anchors=6))
+
+    def run():
+        model.zero_grad()
+        loss, sums = strategy.forward_loss(model, cfg, batch, strategy.generator(0, 0))
+        loss.backward()
+        return loss.detach(), sums, [p.grad.clone() for p in model.parameters()]
+
+    one = run()
+    monkeypatch.setattr(vocab_loss, "VOCAB_CHUNK_ELEMENTS", 5 * V)  # 36 drafted rows: 8 chunks
+    chunked = run()
+    torch.testing.assert_close(chunked[0], one[0], rtol=1e-5, atol=1e-6)
+    for name in one[1]:
+        torch.testing.assert_close(chunked[1][name], one[1][name])
+    for a, b in zip(chunked[2], one[2]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -6,14 +6,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from specray.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from specray.trainer import vocab_loss
 from specray.trainer.core import OptimSettings, TrainerCore
 from specray.trainer.loader import TrainBatch
 from specray.trainer.strategies.eagle3 import (
     Eagle3Objective,
     Eagle3Strategy,
+    Teacher,
     step_weights,
     supervised_rows,
-    teacher,
 )
 
 D, V = 16, 12
@@ -58,19 +59,52 @@ def test_supervised_rows_need_an_answer_anchor_and_label():
     assert rows[2, 0].tolist() == [0, 0, 0, 0, 0, 0, 0]  # row 0: x_4; row 4: past the end
 
 
-def test_teacher_is_the_targets_head_on_the_final_norm_output_restricted_to_the_draft_vocab():
+@pytest.mark.parametrize("cached", [True, False])
+def test_teacher_is_the_targets_head_on_the_final_norm_output_restricted_to_the_draft_vocab(monkeypatch, cached):
+    """Kept for every position (one vocabulary chunk) or computed for the rows asked: the same."""
+    if not cached:
+        monkeypatch.setattr(vocab_loss, "VOCAB_CHUNK_ELEMENTS", 4)
     model, _ = _drafter(draft_vocab=[1, 4, 5, 9])
     y = torch.randn(2, 3, D)
     rows = torch.tensor([[True, True, False], [True, True, True]])
-    p, argmax = teacher(model, y, rows)
+    target = Teacher(model, y, rows)
+    assert (target.cached is not None) == cached
+    b, t = rows.nonzero(as_tuple=True)
     logits = y @ model.lm_head.weight.T  # no norm: last_hidden_states already is the final norm's output
-    assert torch.allclose(p[rows], logits[rows][:, [1, 4, 5, 9]].softmax(-1), atol=1e-6)
-    assert torch.equal(argmax[rows], logits[rows].argmax(-1))  # over the whole vocabulary
-    assert (p[0, 2] == 0).all() and argmax[0, 2] == -1  # a row not asked for is not computed
+    assert torch.allclose(target.probs(b, t), logits[rows][:, [1, 4, 5, 9]].softmax(-1), atol=1e-6)
+    assert torch.equal(target.argmax[rows], logits[rows].argmax(-1))  # over the whole vocabulary
+    assert target.argmax[0, 2] == -1  # a row not asked for is not computed
     full, _ = _drafter()
-    p_full, argmax_full = teacher(full, y, torch.ones(2, 3, dtype=torch.bool))
+    everything = torch.ones(2, 3, dtype=torch.bool)
+    full_target = Teacher(full, y, everything)
+    p_full = full_target.probs(*everything.nonzero(as_tuple=True)).view(2, 3, -1)
     assert torch.allclose(p_full, (y @ full.lm_head.weight.T).softmax(-1), atol=1e-6)
-    assert torch.equal(argmax_full, p_full.argmax(-1))
+    assert torch.equal(full_target.argmax, p_full.argmax(-1))
+
+
+def test_a_loss_in_vocabulary_chunks_equals_the_loss_in_one(monkeypatch):
+    """Loss, metric sums and gradients with the teacher and the LM head taken 3 rows at a time
+    (checkpointed chunks) equal those of one chunk."""
+    model, cfg = _drafter(draft_vocab=[0, 2, 3, 5, 7, 8, 9, 11])
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, V, (2, 12), generator=g)
+    batch = _batch(ids, torch.ones(2, 12, dtype=torch.bool))
+    strategy = Eagle3Strategy(Eagle3Objective(ttt_length=3))
+
+    def run():
+        model.zero_grad()
+        loss, sums = strategy.forward_loss(model, cfg, batch, strategy.generator(0, 0))
+        loss.backward()
+        return loss.detach(), sums, [p.grad.clone() for p in model.parameters()]
+
+    one = run()
+    monkeypatch.setattr(vocab_loss, "VOCAB_CHUNK_ELEMENTS", 3 * 8)  # 3 rows of the 8-token draft vocabulary
+    chunked = run()
+    torch.testing.assert_close(chunked[0], one[0], rtol=1e-5, atol=1e-6)
+    for name in one[1]:
+        torch.testing.assert_close(chunked[1][name], one[1][name], rtol=1e-5, atol=1e-6)
+    for a, b in zip(chunked[2], one[2]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_loss_equals_hand_computation_with_decayed_step_means():
@@ -108,12 +142,13 @@ class _ForcedLogits(nn.Module):
 
     def __init__(self, drafter, logits):
         super().__init__()
+        drafter.logits = lambda states: states  # the forced rows are the logits
         self.module = drafter
         self.logits = nn.ParameterList(logits)
 
-    def forward(self, hidden_states, input_ids, logit_rows):
+    def forward(self, hidden_states, input_ids, logit_rows, head=True):
         assert [int(r.sum()) for r in logit_rows] == [len(x) for x in self.logits]
-        return list(self.logits)
+        return list(self.logits)  # as the "states" of an LM head that is the identity (head=False)
 
 
 def test_accuracy_by_depth_and_teacher_forced_tau():

@@ -18,7 +18,8 @@ Per sequence of a TrainBatch:
    ``γ`` (``gamma``) is the decay scale of the position weights, named apart from the block
    size on purpose: early mistakes waste the whole suffix, so early positions weigh more.
    DFlash's published settings grow it with the block (4 for B = 8, 5 for 10, 7 for 16);
-   the default here is 4 for the default B = 8.
+   the default here is 4 for the default B = 8. The LM head and the CE run a chunk of rows at a
+   time (``head_ce``, ``trainer/vocab_loss.py``).
 
 Metrics are returned as sums (so they add over micro-batches, steps and ranks): per position
 ``j`` the supervised count, correct top-1 count (a label outside the draft vocabulary is a miss,
@@ -34,10 +35,11 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from specray.drafters.common import ATTENTION_QUERY_CHUNK
 from specray.drafters.dflash import DFlashConfig, DFlashDrafter
 from specray.trainer.loader import TrainBatch
-from specray.drafters.common import ATTENTION_QUERY_CHUNK
-from specray.trainer.memory import ActivationMemory, StepShape, chunked_attention, rmsnorm, rope, swiglu, vocab_rows
+from specray.trainer.memory import ActivationMemory, StepShape, chunked_attention, chunked_vocab, rmsnorm, rope, swiglu
+from specray.trainer.vocab_loss import over_rows
 
 
 class DFlashObjective(BaseModel):
@@ -99,10 +101,29 @@ def weighted_block_ce(logits: torch.Tensor, labels: torch.Tensor, supervised: to
     Returns (loss, per-token CE [Bt, N, m]).
     """
     ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view_as(labels)
-    w = weights.to(logits.device)[None, None, :] * supervised
+    return position_weighted(ce, supervised, weights), ce
+
+
+def position_weighted(ce: torch.Tensor, supervised: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Σ M w_j CE / Σ M w_j over ce/supervised [Bt, N, m] and weights [m] (0, still in the graph, when
+    nothing is supervised)."""
+    w = weights.to(ce.device)[None, None, :] * supervised
     denom = w.sum()
-    loss = (ce * w).sum() / denom if denom > 0 else logits.sum() * 0.0
-    return loss, ce
+    return (ce * w).sum() / denom if denom > 0 else ce.sum() * 0.0
+
+
+def head_ce(drafter: DFlashDrafter, states: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CE of the drafter's logits on final states [..., D] against ``labels`` [...] (draft ids),
+    and the logits' argmax [...] (draft ids): the LM head applied a chunk of rows at a time
+    (``trainer/vocab_loss.py``), so no ``[rows, V]`` tensor of every row exists."""
+    flat, targets = states.reshape(-1, states.shape[-1]), labels.reshape(-1)
+
+    def rows(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = drafter.logits(flat[start:stop])
+        return F.cross_entropy(logits.float(), targets[start:stop], reduction="none"), logits.argmax(-1)
+
+    ce, top = over_rows(rows, flat.shape[0], drafter.config.draft_vocab_size or drafter.config.vocab_size)
+    return ce.view_as(labels), top.view_as(labels)
 
 
 class DFlashStrategy:
@@ -141,15 +162,16 @@ class DFlashStrategy:
         B = config.block_size
         anchors = sample_anchors(batch.loss_mask, self.num_anchors, generator, batch.anchor_mask)  # [Bt, N]
         anchor_ids = torch.gather(batch.input_ids, 1, anchors.clamp(min=0))
-        logits = model(batch.hidden_states, batch.attention_mask, anchor_ids, anchors)  # [Bt, N, m, V or V_d]
+        states = model(batch.hidden_states, batch.attention_mask, anchor_ids, anchors, head=False)  # [Bt, N, m, D]
         labels, supervised = block_labels(batch.input_ids, batch.loss_mask, anchors, B)
         drafter = getattr(model, "module", model)  # unwrap DDP
         draft_labels = drafter.target_to_draft(labels)  # = labels without a draft vocabulary
         covered = supervised & (draft_labels >= 0)
-        loss, ce = weighted_block_ce(logits, draft_labels.clamp(min=0), covered, position_weights(B, self.gamma))
+        ce, top = head_ce(drafter, states, draft_labels.clamp(min=0))  # [Bt, N, m] each
+        loss = position_weighted(ce, covered, position_weights(B, self.gamma))
         with torch.no_grad():
             # A label outside the draft vocabulary cannot be drafted: it counts as a miss.
-            correct = (drafter.draft_to_target(logits.argmax(-1)) == labels) & supervised
+            correct = (drafter.draft_to_target(top) == labels) & supervised
             # leading run of correct predictions per block (blocks with a first label only)
             accepted = torch.cumprod(correct.long(), dim=-1).sum(-1)
             has_first = supervised[..., 0]
@@ -186,8 +208,10 @@ class DFlashStrategy:
         blocks = backbone_memory(config, min(objective.num_anchors, shape.seq_len - 1), shape, out)
         rows = blocks * (config.block_size - 1)  # the anchor row predicts nothing
         out.keep("layers", rows * config.hidden_size * shape.act_bytes)  # the drafted rows' states, gathered
-        out.keep("vocab", vocab_rows(rows, config.draft_vocab_size or config.vocab_size, 2))  # logits, log-softmax
-        out.spike(vocab_rows(rows, config.draft_vocab_size or config.vocab_size, 1))  # the loss's gradient
+        # logits and log-softmax kept; the loss's gradient
+        kept, short = chunked_vocab(rows, config.draft_vocab_size or config.vocab_size, kept=2, short=1)
+        out.keep("vocab", kept)
+        out.spike(short)
         return out
 
 

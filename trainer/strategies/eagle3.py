@@ -12,7 +12,7 @@ output — the exact input of its LM head, ``capture/contract.py``):
 2. **Teacher.** Step ``i`` row ``t`` predicts ``x_{t+2+i}``, so its teacher is the target's
    distribution at position ``t + 1 + i``: ``p = softmax(lm_head(y_{t+1+i}))`` over the draft
    vocabulary's rows (renormalised there; all of V without a draft vocabulary). The target is
-   frozen and the teacher carries no gradient.
+   frozen and the teacher carries no gradient (``Teacher``).
 3. **Supervision.** A row is supervised at step ``i`` iff its chain starts on an answer token
    (``loss_mask[t+1]``: at inference the chain starts at the anchor, a token the target
    produced) and stays in that answer up to the predicted token (``loss_mask[t+2 … t+2+i]``,
@@ -23,6 +23,9 @@ output — the exact input of its LM head, ``capture/contract.py``):
    ``ploss_decay ** i``::
 
        L = Σ_i ploss_decay^i · mean_{covered rows} ( − Σ_v p_v log q_v )
+
+   The LM head, the teacher's rows and the CE run a chunk of rows at a time (``step_ce``,
+   ``trainer/vocab_loss.py``).
 
 Metrics are sums (they add over micro-batches, steps and ranks), per TTT depth ``i``: the
 supervised count, top-1 agreement with the target's argmax (over the whole vocabulary), the
@@ -40,7 +43,9 @@ from torch import nn
 from specray.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from specray.trainer.loader import TrainBatch
 from specray.drafters.common import ATTENTION_QUERY_CHUNK
-from specray.trainer.memory import ActivationMemory, StepShape, chunked_attention, rmsnorm, rope, swiglu, vocab_rows
+from specray.trainer.memory import (ActivationMemory, StepShape, chunked_attention, chunked_vocab, rmsnorm, rope, swiglu,
+                                    vocab_rows)
+from specray.trainer.vocab_loss import fits_one_chunk, over_rows
 
 TEACHER_CHUNK = 1024  # rows per full-vocabulary product when taking the teacher's argmax
 
@@ -75,32 +80,65 @@ def supervised_rows(loss_mask: torch.Tensor, ttt_length: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
-@torch.no_grad()
-def teacher(drafter: Eagle3Drafter, last_hidden: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's distribution over the draft vocabulary and its argmax over the whole vocabulary.
+class Teacher:
+    """The target at the positions a micro-batch's steps read (module docstring, 2), exact (float32
+    whatever autocast is on) and without gradient.
 
-    last_hidden [B, T, D] (the final norm's output), rows [B, T] bool: the positions to compute
-    (the others are left 0 / −1). Returns (p [B, T, V_d] float32, argmax [B, T] target ids), in
-    float32 whatever autocast is on: the teacher is exact."""
-    B, T, D = last_hidden.shape
-    weight, bias = drafter.head()
-    p = torch.zeros(B, T, weight.shape[0], device=last_hidden.device)
-    argmax = torch.full((B, T), -1, dtype=torch.long, device=last_hidden.device)
-    with torch.autocast(last_hidden.device.type, enabled=False):
-        y = last_hidden[rows].float()  # [N, D]
-        probs = F.linear(y, weight.float(), None if bias is None else bias.float()).softmax(-1)  # [N, V_d]
-        p[rows] = probs
-        if drafter.draft_vocab is None:
-            argmax[rows] = probs.argmax(-1)
-        elif len(y):
-            full, full_bias = drafter.lm_head.weight.float(), drafter.lm_head.bias
-            argmax[rows] = torch.cat([F.linear(chunk, full, full_bias).argmax(-1) for chunk in y.split(TEACHER_CHUNK)])
-    return p, argmax
+    ``argmax`` [B, T]: its argmax over the whole vocabulary (target ids; −1 where not asked), computed
+    once. ``probs(b, t)``: its distribution over the draft vocabulary (all of V without one) at
+    positions (b, t) [n] -> [n, V_d], read from ``[B, T, V_d]`` computed once when that is one
+    vocabulary chunk (``trainer/vocab_loss.py``), else computed for the rows asked (a loss chunk,
+    and again in its backward's recomputation), so no ``[B, T, V_d]`` tensor exists.
+
+    last_hidden [B, T, D] (the final norm's output), rows [B, T] bool: the positions to compute."""
+
+    @torch.no_grad()
+    def __init__(self, drafter: Eagle3Drafter, last_hidden: torch.Tensor, rows: torch.Tensor):
+        self.drafter, self.last_hidden = drafter, last_hidden
+        B, T, _ = last_hidden.shape
+        weight, _ = drafter.head()
+        self.argmax = torch.full((B, T), -1, dtype=torch.long, device=last_hidden.device)
+        self.cached: torch.Tensor | None = None
+        if fits_one_chunk(B * T, weight.shape[0]):
+            self.cached = torch.zeros(B, T, weight.shape[0], device=last_hidden.device)
+            self.cached[rows] = self._probs(last_hidden[rows])
+        if drafter.draft_vocab is None and self.cached is not None:
+            self.argmax[rows] = self.cached[rows].argmax(-1)
+            return
+        full, bias = drafter.lm_head.weight.float(), drafter.lm_head.bias
+        with torch.autocast(last_hidden.device.type, enabled=False):
+            y = last_hidden[rows].float()
+            if len(y):
+                self.argmax[rows] = torch.cat([F.linear(chunk, full, None if bias is None else bias.float()).argmax(-1)
+                                               for chunk in y.split(TEACHER_CHUNK)])
+
+    @torch.no_grad()
+    def probs(self, b: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """[n, V_d] float32: the distribution at positions (b, t), b/t [n]."""
+        return self.cached[b, t] if self.cached is not None else self._probs(self.last_hidden[b, t])
+
+    def _probs(self, y: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.drafter.head()
+        with torch.autocast(y.device.type, enabled=False):
+            return F.linear(y.float(), weight.float(), None if bias is None else bias.float()).softmax(-1)
 
 
 def soft_ce(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """−Σ_v p_v log softmax(logits)_v per row: logits/p [N, V_d] -> [N]."""
     return -(p * F.log_softmax(logits.float(), dim=-1)).sum(-1)
+
+
+def step_ce(drafter: Eagle3Drafter, states: torch.Tensor, target: Teacher, b: torch.Tensor,
+            position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One TTT step's soft CE against the teacher at (b, position) and its logits' argmax (draft ids),
+    states [n, D] (normed), b/position [n] -> ([n], [n]): the LM head, the teacher and the CE a
+    chunk of rows at a time (``trainer/vocab_loss.py``)."""
+
+    def rows(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = drafter.logits(states[start:stop])
+        return soft_ce(logits, target.probs(b[start:stop], position[start:stop])), logits.argmax(-1)
+
+    return over_rows(rows, len(b), drafter.config.draft_vocab_size or drafter.config.vocab_size)
 
 
 class Eagle3Strategy:
@@ -141,21 +179,21 @@ class Eagle3Strategy:
         # the teacher of step i row t sits at t + 1 + i, inside the row's answer run: there
         # loss_mask holds at that position and the next (a superset of what the steps read)
         needed = batch.loss_mask & shifted(batch.loss_mask, 1)
-        p, argmax = teacher(drafter, batch.last_hidden_states, needed)  # [B, T, V_d], [B, T]
-        logits = model(batch.hidden_states, batch.input_ids, supervised)  # per step [rows_i, V_d]
+        target = Teacher(drafter, batch.last_hidden_states, needed)
+        states = model(batch.hidden_states, batch.input_ids, supervised, head=False)  # per step [rows_i, D]
         weights = step_weights(self.ttt_length, self.ploss_decay)
-        loss = logits[0].sum() * 0.0  # keeps every step's graph (and DDP) alive when a step has no rows
+        loss = states[0].sum() * 0.0  # keeps every step's graph (and DDP) alive when a step has no rows
         sums = {name: torch.zeros(self.ttt_length, dtype=torch.float64) for name in ("count", "correct", "ce", "covered")}
         correct = torch.zeros_like(supervised)
-        for i, step_logits in enumerate(logits):
+        for i, step_states in enumerate(states):
             b, t = supervised[i].nonzero(as_tuple=True)
-            step_p, step_argmax = p[b, t + 1 + i], argmax[b, t + 1 + i]  # the teacher at position t + 1 + i
+            step_argmax = target.argmax[b, t + 1 + i]  # the teacher at position t + 1 + i
             covered = drafter.target_to_draft(step_argmax) >= 0
-            ce = soft_ce(step_logits, step_p)  # [rows_i]
+            ce, top = step_ce(drafter, step_states, target, b, t + 1 + i)  # [rows_i] each
             if covered.any():
                 loss = loss + float(weights[i]) * (ce * covered).sum() / covered.sum()
             with torch.no_grad():
-                correct[i][b, t] = drafter.draft_to_target(step_logits.argmax(-1)) == step_argmax
+                correct[i][b, t] = drafter.draft_to_target(top) == step_argmax
                 sums["count"][i] = len(b)
                 sums["correct"][i] = float(correct[i].sum())
                 sums["ce"][i] = float((ce.detach() * covered).sum())
@@ -183,14 +221,19 @@ class Eagle3Strategy:
     def activation_memory(config: Eagle3Config, objective: Eagle3Objective, shape: StepShape) -> ActivationMemory:
         """What one micro-batch's ``forward_loss`` keeps for its backward (``trainer/memory.py``): the
         teacher, then per TTT step the layers' activations, the attention over the row's context and
-        chain (``ttt_attention``, in chunks of rows), and the step's logits, log-softmax and teacher rows."""
+        chain (``ttt_attention``, in chunks of rows), and the step's log-softmax and teacher rows."""
         B, S, a, R = shape.batch, shape.seq_len, shape.act_bytes, shape.rows
         D, H, Hkv, hd, I = (config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
                             config.intermediate_size)
         V_d, V = config.draft_vocab_size or config.vocab_size, config.vocab_size
         out = ActivationMemory()
-        out.keep("teacher", vocab_rows(R, V_d, 1))  # p [B, S, V_d], the whole step
-        out.spike(vocab_rows(R, V_d, 2) + vocab_rows(min(R, TEACHER_CHUNK), V, 1))  # its product and softmax
+        argmax_product = vocab_rows(min(R, TEACHER_CHUNK), V, 1)
+        if fits_one_chunk(R, V_d):
+            out.keep("teacher", vocab_rows(R, V_d, 1))  # p [B, S, V_d], the whole step
+            out.spike(vocab_rows(R, V_d, 2) + argmax_product)  # its product and softmax
+        else:  # the argmax only; p is computed per loss chunk
+            out.keep("teacher", R * 8)
+            out.spike(argmax_product)
         out.keep("layers", R * D * a)  # the fused target state
         for step in range(objective.ttt_length):
             for layer in range(config.num_layers):
@@ -204,6 +247,10 @@ class Eagle3Strategy:
                 out.keep("attention", kept)
             rows = B * max(S - 2 - step, 0)  # supervised rows at this depth
             out.keep("layers", rmsnorm(rows, D, a) + rows * D * a)
-            out.keep("vocab", vocab_rows(rows, V_d, 3))  # logits, log-softmax, the gathered teacher rows
-        out.spike(vocab_rows(B * S, V_d, 1))  # the loss's gradient through the log-softmax
+            # log-softmax and the teacher's rows kept, the logits short-lived (the step's loss is
+            # computed before the next step runs); then the loss's gradient through the log-softmax
+            kept, short = chunked_vocab(rows, V_d, kept=2, short=1)
+            out.spike(short)
+            out.keep("vocab", kept)
+        out.spike(chunked_vocab(B * S, V_d, kept=2, short=1)[1])
         return out
