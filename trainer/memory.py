@@ -49,23 +49,37 @@ class StepShape:
 @dataclass
 class ActivationMemory:
     """One micro-batch's activations, in bytes, counted in the order the step builds them: ``saved``
-    (kept for the backward) grows with ``keep``; ``spike`` marks a moment when short-lived tensors
-    join what is saved so far; ``peak`` is the most at any moment. ``parts`` names what is saved
-    (the plan's table)."""
+    (alive from then on) grows with ``keep``; ``spike`` marks a moment when short-lived tensors
+    join what is alive so far; ``peak`` is the most at any moment. A tensor kept ``forward_only``
+    (alive through the forward, saved by no backward: a teacher) is gone at a backward moment
+    (``spike(..., backward=True)``: a recomputed chunk). ``parts`` names what is saved (the
+    plan's table)."""
 
     saved: float = 0.0
+    forward_only: float = 0.0
     peak: float = 0.0
     parts: dict[str, float] = field(default_factory=dict)
 
-    def keep(self, name: str, num_bytes: float) -> None:
-        """``num_bytes`` more kept until the backward, under ``name``."""
+    def keep(self, name: str, num_bytes: float, *, forward_only: bool = False) -> None:
+        """``num_bytes`` more alive from now, under ``name``: until the backward, or through the
+        forward only."""
         self.saved += num_bytes
+        self.forward_only += num_bytes if forward_only else 0.0
         self.parts[name] = self.parts.get(name, 0.0) + num_bytes
         self.peak = max(self.peak, self.saved)
 
-    def spike(self, num_bytes: float) -> None:
-        """Short-lived tensors of ``num_bytes`` alive now, on top of what is saved so far."""
-        self.peak = max(self.peak, self.saved + num_bytes)
+    def spike(self, num_bytes: float, *, backward: bool = False) -> None:
+        """Short-lived tensors of ``num_bytes`` alive now, on top of what is alive so far (in the
+        backward, without what the forward alone held)."""
+        self.peak = max(self.peak, self.saved - (self.forward_only if backward else 0.0) + num_bytes)
+
+    def attention(self, costs: tuple[float, float, float]) -> None:
+        """An attention's ``chunked_attention`` costs: its forward's short-lived tensors, its kept
+        tensors, then its backward's short-lived tensors."""
+        forward, kept, backward = costs
+        self.spike(forward)
+        self.keep("attention", kept)
+        self.spike(backward, backward=True)
 
 
 # -- building blocks: bytes a block's forward keeps for the backward ------------------------------
@@ -89,21 +103,22 @@ def swiglu(rows: float, intermediate: int, a: int) -> float:
 
 
 def chunked_attention(batch: int, heads: int, queries: int, keys: int, a: int, *, chunk: int,
-                      mask_rows: int = 0) -> tuple[float, float]:
+                      mask_rows: int = 0) -> tuple[float, float, float]:
     """Attention of ``queries`` rows over ``keys`` keys each through ``chunked_rows``, ``chunk`` rows at
-    a time (``drafters/common.py``), fp32 softmax: (kept, short-lived).
+    a time (``drafters/common.py``), fp32 softmax: (short-lived in the forward, kept, short-lived in
+    the backward; ``ActivationMemory.attention``).
 
     In one chunk it keeps its probabilities (fp32, and their ``a``-byte copy under bf16) and its
     boolean mask (``mask_rows × keys`` bytes: ``batch × queries`` for a per-sequence mask, 0 for a
     shared one); two more score tensors live briefly, in the forward and the backward. In several
-    chunks it keeps nothing (its backward recomputes each chunk), and three tensors of one chunk's
-    scores are alive at a time (in the backward: the recomputed probabilities, their gradient, the
-    scores' gradient)."""
+    chunks it keeps nothing (its backward recomputes each chunk): two tensors of one chunk's scores
+    are alive at a time in the forward (the scores, the probabilities), three in the backward (the
+    recomputed probabilities, their gradient, the scores' gradient)."""
     rows = min(queries, chunk)
     scores = batch * heads * rows * keys * FP32
     if queries <= chunk:
-        return scores * (1 + (a / FP32 if a < FP32 else 0)) + mask_rows * keys, 2 * scores
-    return 0.0, 3 * scores
+        return 2 * scores, scores * (1 + (a / FP32 if a < FP32 else 0)) + mask_rows * keys, 2 * scores
+    return 2 * scores, 0.0, 3 * scores
 
 
 def vocab_rows(rows: float, width: int, tensors: int) -> float:

@@ -237,8 +237,6 @@ def backbone_memory(config: DFlashConfig, anchors: int, shape: StepShape, out: A
         out.keep("layers", norms + q + k_d + BQ * Hkv * hd * a + 2 * BQ * H * hd * a + swiglu(BQ, I, a)
                  + BQ * layer_extra)
         chunk = max(1, ATTENTION_QUERY_CHUNK // config.block_size) * config.block_size  # whole blocks
-        kept, short = chunked_attention(Bt, H, Q, S + config.block_size, a, chunk=chunk, mask_rows=BQ)
-        out.spike(short)
-        out.keep("attention", kept)
+        out.attention(chunked_attention(Bt, H, Q, S + config.block_size, a, chunk=chunk, mask_rows=BQ))
     out.keep("layers", BQ * D * a + rmsnorm(BQ, D, a))  # the final norm
     return Bt * anchors

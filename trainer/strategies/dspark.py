@@ -224,7 +224,7 @@ class DSparkStrategy(DFlashStrategy):
         a, D, r = shape.act_bytes, config.hidden_size, config.markov_rank
         V_d, V = config.draft_vocab_size or config.vocab_size, config.vocab_size
         rows = shape.batch * min(objective.num_anchors, shape.seq_len - 1) * config.block_size  # every row drafts
-        out.keep("teacher", vocab_rows(rows, V_d, 1))
+        out.keep("teacher", vocab_rows(rows, V_d, 1), forward_only=True)  # saved by no backward
         out.spike(vocab_rows(rows, V_d, 1) + (vocab_rows(rows, V, 1) if config.draft_vocab_size else 0))
         backbone_memory(config, min(objective.num_anchors, shape.seq_len - 1), shape, out)
         heads = rows * (r + (D + r if config.confidence_head_with_markov else D)) * a  # W1[prev], [h; W1[prev]]

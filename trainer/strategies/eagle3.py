@@ -229,7 +229,7 @@ class Eagle3Strategy:
         out = ActivationMemory()
         argmax_product = vocab_rows(min(R, TEACHER_CHUNK), V, 1)
         if fits_one_chunk(R, V_d):
-            out.keep("teacher", vocab_rows(R, V_d, 1))  # p [B, S, V_d], the whole step
+            out.keep("teacher", vocab_rows(R, V_d, 1), forward_only=True)  # p [B, S, V_d]; its rows are gathered
             out.spike(vocab_rows(R, V_d, 2) + argmax_product)  # its product and softmax
         else:  # the argmax only; p is computed per loss chunk
             out.keep("teacher", R * 8)
@@ -242,9 +242,7 @@ class Eagle3Strategy:
                 qkv = R * (H + 2 * Hkv) * hd * a + rope(R, H, hd, a) + rope(R, Hkv, hd, a)
                 out.keep("layers", norms + R * (width + 2 * D + H * hd) * a  # qkv input, state, y, o_proj input
                          + qkv + swiglu(R, I, a))
-                kept, short = chunked_attention(B, H, S, S + step, a, chunk=ATTENTION_QUERY_CHUNK)
-                out.spike(short)
-                out.keep("attention", kept)
+                out.attention(chunked_attention(B, H, S, S + step, a, chunk=ATTENTION_QUERY_CHUNK))
             rows = B * max(S - 2 - step, 0)  # supervised rows at this depth
             out.keep("layers", rmsnorm(rows, D, a) + rows * D * a)
             # log-softmax and the teacher's rows kept, the logits short-lived (the step's loss is
