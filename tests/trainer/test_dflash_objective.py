@@ -11,6 +11,8 @@ from specray.trainer.strategies.dflash import (
     weighted_block_ce,
 )
 
+from vocab_chunks import assert_chunks_change_nothing
+
 
 def _ce(logits, label):
     return math.log(sum(math.exp(x) for x in logits)) - logits[label]
@@ -109,7 +111,6 @@ def test_a_loss_in_vocabulary_chunks_equals_the_loss_in_one(monkeypatch):
     from torch import nn
 
     from specray.drafters.dflash import DFlashConfig, DFlashDrafter
-    from specray.trainer import vocab_loss
     from specray.trainer.loader import TrainBatch
     from specray.trainer.strategies.dflash import DFlashObjective, DFlashStrategy
 
@@ -124,17 +125,4 @@ def test_a_loss_in_vocabulary_chunks_equals_the_loss_in_one(monkeypatch):
                        last_hidden_states=None, sample_ids=["a", "b"], num_tokens=2 * T)
     strategy = DFlashStrategy(DFlashObjective(num_anchors=6))
 
-    def run():
-        model.zero_grad()
-        loss, sums = strategy.forward_loss(model, cfg, batch, strategy.generator(0, 0))
-        loss.backward()
-        return loss.detach(), sums, [p.grad.clone() for p in model.parameters()]
-
-    one = run()
-    monkeypatch.setattr(vocab_loss, "VOCAB_CHUNK_ELEMENTS", 5 * V)  # 36 drafted rows: 8 chunks
-    chunked = run()
-    torch.testing.assert_close(chunked[0], one[0], rtol=1e-5, atol=1e-6)
-    for name in one[1]:
-        torch.testing.assert_close(chunked[1][name], one[1][name])
-    for a, b in zip(chunked[2], one[2]):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert_chunks_change_nothing(monkeypatch, strategy, model, cfg, batch, 5 * V)  # 36 drafted rows: 8 chunks

@@ -17,6 +17,8 @@ from specray.trainer.strategies.eagle3 import (
     supervised_rows,
 )
 
+from vocab_chunks import assert_chunks_change_nothing
+
 D, V = 16, 12
 
 
@@ -91,20 +93,8 @@ def test_a_loss_in_vocabulary_chunks_equals_the_loss_in_one(monkeypatch):
     batch = _batch(ids, torch.ones(2, 12, dtype=torch.bool))
     strategy = Eagle3Strategy(Eagle3Objective(ttt_length=3))
 
-    def run():
-        model.zero_grad()
-        loss, sums = strategy.forward_loss(model, cfg, batch, strategy.generator(0, 0))
-        loss.backward()
-        return loss.detach(), sums, [p.grad.clone() for p in model.parameters()]
-
-    one = run()
-    monkeypatch.setattr(vocab_loss, "VOCAB_CHUNK_ELEMENTS", 3 * 8)  # 3 rows of the 8-token draft vocabulary
-    chunked = run()
-    torch.testing.assert_close(chunked[0], one[0], rtol=1e-5, atol=1e-6)
-    for name in one[1]:
-        torch.testing.assert_close(chunked[1][name], one[1][name], rtol=1e-5, atol=1e-6)
-    for a, b in zip(chunked[2], one[2]):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    # 3 rows of the 8-token draft vocabulary
+    assert_chunks_change_nothing(monkeypatch, strategy, model, cfg, batch, 3 * 8, rtol=1e-5, atol=1e-6)
 
 
 def test_loss_equals_hand_computation_with_decayed_step_means():
