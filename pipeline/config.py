@@ -425,6 +425,45 @@ class OnlineSection(Section):
     )
 
 
+class RegenerateSection(Section):
+    """The target answers the training prompts itself before capture (``specray regenerate``)."""
+
+    enabled: bool = Field(False, description="answer data.dataset's prompts with the target first; capture reads the "
+                                             "answers (<run_dir>/regenerate/answers.jsonl) instead of the dataset's")
+    batch_size: int = Field(16, gt=0, description="conversations answered at once per actor (continuous batching)")
+    max_tokens: int = Field(1024, gt=0, description="tokens per answer; a longer answer is cut and marked "
+                                                    "finish_reason=length")
+    max_prompt_tokens: int = Field(1024, gt=0, description="a turn whose context (earlier turns included) is longer "
+                                                           "ends its conversation before it")
+    max_turns: int = Field(4, gt=0, description="user turns answered per conversation (multi-turn conversations keep "
+                                                "the target's own earlier answers in context)")
+    temperature: float = Field(0.0, ge=0, description="0 = greedy: the answers greedy serving gives")
+    seed: int | None = None
+    exclude: list[str] = Field(["mtbench", "humaneval"],
+                               description="eval datasets whose prompts are kept out (a conversation sharing a "
+                                           "13-word run with any of their prompts is dropped)")
+    mix: dict[Literal["chat", "code", "reasoning"], float] | None = Field(
+        None, description="shares of prompt kinds to take, e.g. {chat: 0.5, code: 0.3, reasoning: 0.2} (None = the "
+                          "dataset's own order and mix)")
+
+    @field_validator("exclude")
+    @classmethod
+    def _eval_sets(cls, value: list[str]) -> list[str]:
+        evals = sorted(k for k, spec in DATASETS.items() if spec.split == "eval")
+        for name in value:
+            if name not in evals:
+                raise ValueError(f"{name!r} is not an eval dataset; exclude lists some of {evals}")
+        return value
+
+    @field_validator("mix")
+    @classmethod
+    def _shares(cls, value: dict | None) -> dict | None:
+        if value is not None:
+            if any(v < 0 for v in value.values()) or abs(sum(value.values()) - 1) > 1e-6:
+                raise ValueError(f"the shares must be >= 0 and sum to 1, got {value}")
+        return value
+
+
 class PipelineBenchSection(Section):
     enabled: bool = Field(True, description="measure tau and speed of the exported drafter vs our AR")
     dataset: Literal["mtbench", "humaneval"] = Field("mtbench", description="held-out prompts")
@@ -625,6 +664,8 @@ class PipelineConfig(JobConfig):
     online: OnlineSection = OnlineSection()
     serve: PipelineServeSection = PipelineServeSection()
     bench: PipelineBenchSection = PipelineBenchSection()
+    regenerate: RegenerateSection = Field(default_factory=RegenerateSection,
+                                          description="self-distillation before capture: the target's own answers")
     closed_loop: ClosedLoopSection = Field(default_factory=ClosedLoopSection,
                                            description="mode=closed_loop: iterations, records per iteration, the load")
     output: PipelineOutputSection = PipelineOutputSection()
@@ -694,14 +735,40 @@ class PipelineConfig(JobConfig):
                              f"serve.autoscaling.max_replicas={a.min_replicas} (= min_replicas; got {a.max_replicas})")
         return self
 
+    @model_validator(mode="after")
+    def _regenerate_has_a_size(self) -> "PipelineConfig":
+        if self.regenerate.enabled:
+            if self.mode != "offline":
+                raise ValueError(f"regenerate.enabled runs before an offline capture; with mode={self.mode} set "
+                                 "regenerate.enabled=false and regenerate first (specray regenerate), or mode=offline")
+            if self.data.max_samples is None:
+                raise ValueError("regenerate.enabled answers data.max_samples conversations: set data.max_samples "
+                                 "(e.g. 2000)")
+            if self.data.dataset.startswith("records:"):
+                raise ValueError("regenerate.enabled answers prompts again; records: holds served answers already: "
+                                 "set regenerate.enabled=false")
+        return self
+
     @property
     def store_uri(self) -> str:
         return self.store.uri or (self.run_dir / "features").resolve().as_uri()
 
+    @property
+    def regenerated(self) -> Path:
+        """Where the regenerate stage writes the answers capture reads."""
+        return (self.run_dir / "regenerate" / "answers.jsonl").resolve()
+
+    def capture_data(self) -> DataConfig:
+        """What capture reads: the regenerated answers when regenerate.enabled, else data as given."""
+        if not self.regenerate.enabled:
+            return self.data
+        return self.data.model_copy(update={"dataset": f"jsonl:{self.regenerated}", "skip": 0, "max_samples": None,
+                                            "id_field": None})
+
     def capture_job(self) -> CaptureJobConfig:
         capture = self.capture.model_dump(exclude={"num_actors", "num_cpus_per_actor", "num_gpus_per_actor"})
         return CaptureJobConfig(
-            name=f"{self.name}-capture", target=self.target, data=self.data, capture=CaptureConfig(**capture),
+            name=f"{self.name}-capture", target=self.target, data=self.capture_data(), capture=CaptureConfig(**capture),
             store=StoreConfig(uri=self.store_uri, endpoint_url=self.store.endpoint_url),
             output=OutputConfig(run_dir=str(self.run_dir / "capture"), overwrite=True),
         )

@@ -5,6 +5,9 @@
 
 Stages (each timed into ``report.json``'s ``stage_seconds``):
 
+    regenerate     with ``regenerate.enabled`` (offline): the target answers ``data.dataset``'s
+                   prompts on Ray actors, eval prompts excluded (pipeline/jobs/regenerate.py);
+                   capture reads its answers
     capture        offline: CaptureServer actors write features + a Parquet manifest
     train          offline: the trainer gang (Ray Train) trains on the manifest; a progress bar
                    shows rank 0's step, loss, position-1 accuracy, tokens/s and the latest live
@@ -46,8 +49,11 @@ when the run's state lives in ``train.storage`` only, e.g. a RayJob on a new pod
   The audit at the end covers both runs: every sample trained exactly once. Only the stream's
   own keys (its samples' and those the ledger dispatched) are deleted or audited: other
   datasets may share the store root;
-- export, serve and bench run again (the old export is replaced, the registry gets a new
-  version).
+- a stage that finished in the interrupted run is not run again (pipeline/jobs/stages.py: its
+  record in ``<run_dir>/stages/`` holds its report parts and output, keyed by the config
+  sections it reads), unless its config changed; an unfinished regenerate stage appends to its
+  answers and skips the conversations already there. Serving with ``serve.keep_running``
+  always starts again (its replicas died with the driver).
 """
 
 from __future__ import annotations
@@ -56,12 +62,12 @@ import json
 import shutil
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from specray.pipeline.config import PipelineConfig
 from specray.pipeline.jobs.rundir import MARKER, fresh_run_dir
+from specray.pipeline.jobs.stages import StageLog
 
 
 @dataclass
@@ -78,6 +84,8 @@ class PipelineReport:
     online: dict | None = None  # ledger audit and peak in-flight features (online mode)
     serve: dict | None = None
     bench: dict | None = None
+    regenerate: dict | None = None  # the regenerate stage's selection, throughput and answer lengths
+    stages_reused: list[str] = field(default_factory=list)  # done in an interrupted run; --resume kept them
 
     def table(self) -> str:
         def fmt(value, spec: str) -> str:
@@ -96,18 +104,19 @@ class PipelineReport:
             audit = self.online["audit"]
             lines.append(f"ledger      {audit['trained']} samples trained exactly once: {audit['ok']}; "
                          f"peak in-flight {self.online['peak_inflight_samples']} <= {self.online['bound']}")
-        stages = "  ".join(f"{k} {v:.0f}s" for k, v in self.stage_seconds.items())
+        if self.regenerate:
+            r, sel = self.regenerate, self.regenerate["selection"]
+            rate = "n/a" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}"
+            ar = (self.bench or {}).get("tokens_per_s", {}).get("specray-ar@1")
+            if r["tokens_per_s"] and ar:
+                rate += f" = {r['tokens_per_s'] / ar:.1f}x our AR at batch 1"
+            lines.append(f"regenerate  {r['answers']['conversations']} conversations, {r['answers']['answers']} answers "
+                         f"({rate} tokens/s, {r['answers']['cut_share']:.0%} cut at max_tokens); "
+                         f"{sel['excluded']} overlapping eval prompts excluded")
+        stages = "  ".join(f"{k} {v:.0f}s" + (" (reused)" if k in self.stages_reused else "")
+                           for k, v in self.stage_seconds.items())
         lines += [f"stages      {stages}", f"report      {Path(self.run_dir) / 'report.json'}"]
         return "\n".join(lines)
-
-
-@contextmanager
-def _stage(report: PipelineReport, name: str, progress: bool):
-    if progress:
-        print(f"== {name}", flush=True)
-    start = time.perf_counter()
-    yield
-    report.stage_seconds[name] = round(time.perf_counter() - start, 2)
 
 
 def run_pipeline(cfg: PipelineConfig, *, progress: bool = True, resume: bool = False) -> tuple[PipelineReport, object | None]:
@@ -118,43 +127,59 @@ def run_pipeline(cfg: PipelineConfig, *, progress: bool = True, resume: bool = F
     replicas; ``jobs.run_manifest`` picks the driver by mode)."""
     if cfg.mode == "closed_loop":
         raise ValueError("mode: closed_loop runs in pipeline/jobs/closed_loop.py: call jobs.run_manifest(cfg)")
-    from specray.trainer.export import export_checkpoint
-
     run_dir = _resumed_run_dir(cfg) if resume else fresh_run_dir(cfg.run_dir, refuse=_earlier_run(cfg))
     report = PipelineReport(cfg.name, cfg.mode, str(run_dir.resolve()))
+    stages = StageLog(run_dir, cfg, report, resume=resume, progress=progress)
     from specray.actors.cluster import connect
 
     connect(cfg.ray.address, cfg.ray.num_cpus)
+    if cfg.regenerate.enabled:
+        stages.run("regenerate", ("target", "data", "regenerate"), ("regenerate",),
+                   lambda: _regenerate(cfg, report, progress))
     if cfg.mode == "offline":
-        with _stage(report, "capture", progress):
-            manifest = _capture(cfg, report, progress, reuse=resume)
-        with _stage(report, "train", progress):
-            checkpoint = _train_offline(cfg, manifest, report, progress)
-    else:
-        with _stage(report, "capture+train", progress):  # they overlap: that is the point
-            checkpoint = _train_online(cfg, report, progress)
-    with _stage(report, "export", progress):
-        export_dir = run_dir / "exports" / "final"
-        if export_dir.exists():  # a resumed run: the pipeline owns its exports, the new model replaces it
-            shutil.rmtree(export_dir)
-        report.drafter_dir = str(export_checkpoint(checkpoint, export_dir).resolve())
+        manifest = stages.run("capture", ("capture", "store"), ("capture",),
+                              lambda: _capture(cfg, report, progress, reuse=resume))
+        checkpoint = stages.run("train", ("train",), ("train",), lambda: _train_offline(cfg, manifest, report, progress))
+    else:  # capture and training overlap: that is the point
+        checkpoint = stages.run("capture+train", ("data", "capture", "store", "train", "online"), ("train", "online"),
+                                lambda: _train_online(cfg, report, progress))
+    stages.run("export", (), ("drafter_dir",), lambda: _export(checkpoint, run_dir, report))
     handle = None
     if cfg.serve.enabled:
-        with _stage(report, "serve", progress):
+        def serve() -> None:
+            nonlocal handle
             report.serve, handle = _serve(cfg, report.drafter_dir)
-        if not cfg.serve.keep_running:  # free the replicas' cores before timing the bench
-            handle.stop()
-            handle = None
+            if not cfg.serve.keep_running:  # free the replicas' cores before timing the bench
+                handle.stop()
+                handle = None
+
+        stages.run("serve", ("serve",), ("serve",), serve, reusable=not cfg.serve.keep_running)
     try:
         if cfg.bench.enabled:
-            with _stage(report, "bench", progress):
-                _bench(cfg, report)
+            stages.run("bench", ("bench",), ("bench", "tau", "speedup_vs_ar"), lambda: _bench(cfg, report))
     except BaseException:
         if handle is not None:
             handle.stop()
         raise
     (run_dir / "report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
     return report, handle
+
+
+def _regenerate(cfg: PipelineConfig, report: PipelineReport, progress: bool) -> str:
+    from specray.pipeline.jobs.regenerate import regenerate_stage
+
+    report.regenerate = regenerate_stage(cfg, progress)
+    return report.regenerate["out"]
+
+
+def _export(checkpoint: str, run_dir: Path, report: PipelineReport) -> str:
+    from specray.trainer.export import export_checkpoint
+
+    export_dir = run_dir / "exports" / "final"
+    if export_dir.exists():  # a resumed run: the pipeline owns its exports, the new model replaces it
+        shutil.rmtree(export_dir)
+    report.drafter_dir = str(export_checkpoint(checkpoint, export_dir).resolve())
+    return report.drafter_dir
 
 
 def _resumed_run_dir(cfg: PipelineConfig) -> Path:

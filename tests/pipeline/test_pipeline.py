@@ -372,3 +372,54 @@ def test_a_fresh_run_on_storage_holding_an_earlier_run_is_refused(request, tmp_p
     with pytest.raises(_Started):  # inside the run dir: a rerun replaces it, as always
         run_pipeline(inside, progress=False)
     assert not (tmp_path / "run" / "ray-train").exists()
+
+
+class _Killed(Exception):
+    pass
+
+
+def test_the_recipe_resumes_from_a_kill_in_each_stage_and_redoes_no_finished_stage(ray_cluster, tmp_path, monkeypatch):
+    """manifests/recipe.yaml, tiny: killed at the end of each stage in turn (its work done, its record
+    not yet written), ``--resume`` runs that stage again, reuses every stage before it, and goes on."""
+    from specray.pipeline.jobs import pipeline
+    from specray.pipeline.jobs.pipeline import run_pipeline
+
+    run_dir = tmp_path / "recipe"
+    cfg = load_config(PipelineConfig, "manifests/recipe.yaml", [
+        *TINY, "data.max_samples=6", "regenerate.max_tokens=12", "regenerate.batch_size=4", "data.max_length=128",
+        "train.drafter.draft_vocab_size=128", "train.drafter.num_layers=1", "train.cpus_per_worker=1",
+        "capture.num_cpus_per_actor=1", "train.live_eval.enabled=false", "bench.batch_sizes=[1]",
+        f"output.run_dir={run_dir}"])
+    order = ["regenerate", "capture", "train", "export", "bench"]
+    functions = dict(zip(order, ["_regenerate", "_capture", "_train_offline", "_export", "_bench"]))
+    calls = {stage: 0 for stage in order}
+    kill_in = None
+
+    def counted(stage, real):
+        def run(*args, **kwargs):
+            calls[stage] += 1
+            output = real(*args, **kwargs)
+            if stage == kill_in:
+                raise _Killed(stage)
+            return output
+        return run
+
+    for stage, name in functions.items():
+        monkeypatch.setattr(pipeline, name, counted(stage, getattr(pipeline, name)))
+    for k, stage in enumerate([*order, None]):
+        kill_in, before = stage, dict(calls)
+        if stage is None:
+            report, _ = run_pipeline(cfg, progress=False, resume=True)
+        else:
+            with pytest.raises(_Killed):
+                run_pipeline(cfg, progress=False, resume=k > 0)
+        done = order[:k - 1] if k else []  # finished and recorded before this run
+        assert all(calls[s] == before[s] for s in done), (stage, calls)
+        if k:
+            assert calls[order[k - 1]] == before[order[k - 1]] + 1  # the stage killed last time runs again
+    assert report.stages_reused == order[:-1]  # bench was killed last; everything before it was recorded
+    assert report.tau >= 1.0 and report.train["steps"] == 4 and report.capture["samples"] > 0
+    regenerated = [json.loads(line) for line in (run_dir / "regenerate" / "answers.jsonl").read_text().splitlines()]
+    assert len(regenerated) == len({r["id"] for r in regenerated}) == report.regenerate["answers"]["conversations"]
+    assert report.regenerate["selection"]["eval_prompts_checked"] == 324
+    assert json.loads((run_dir / "report.json").read_text())["stages_reused"] == order[:-1]
