@@ -20,15 +20,15 @@ the draft vocabulary, and the base of the manifest's ``drafter`` section.
   over the whole target vocabulary (zero probability outside the draft vocabulary).
   ``d2t_offsets`` / ``t2d_mask`` are the same mapping in the peer format's encoding.
 - ``DrafterSectionBase``: the fields every drafter section has (``algorithm``, ``init_from``,
-  ``draft_vocab_size``, ``draft_vocab_from``, ``draft_vocab_samples``); each algorithm adds its
-  own fields and ``drafter_config``.
+  ``init_layers``, ``draft_vocab_size``, ``draft_vocab_from``, ``draft_vocab_samples``); each
+  algorithm adds its own fields and ``drafter_config``.
 - ``DrafterSpec``: what the drafter registry (``specray.drafters.DRAFTERS``) holds per algorithm.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -356,6 +356,11 @@ class DrafterSectionBase(BaseModel):
                                                     "self-distilled data), or a peer drafter's directory "
                                                     "(speculators, SGLang / SpecForge, z-lab), imported first; its "
                                                     "architecture must equal this section's")
+    init_layers: Literal["random", "target"] = Field(
+        "random", description="the decoder layers' initial weights: random, or target: draft layer i of k starts "
+                              "as a copy of the target's decoder layer L-k+i (its top k layers), each tensor the "
+                              "drafter names a target role for (trainer/init_layers.py); the drafter's widths must "
+                              "be the target's")
     draft_vocab_size: int | None = Field(None, gt=0, description="draft over the V_d most frequent supervised tokens "
                                                                  "of the training manifest or draft_vocab_from "
                                                                  "(EAGLE-3's d2t; None = the target's whole "
@@ -367,6 +372,13 @@ class DrafterSectionBase(BaseModel):
                           "answers are rendered with the target's chat template and counted")
     draft_vocab_samples: int | None = Field(
         None, gt=0, description="with a dataset draft_vocab_from: count its first N conversations (None = all)")
+
+    @model_validator(mode="after")
+    def _one_source_of_layers(self):
+        if self.init_from is not None and self.init_layers == "target":
+            raise ValueError(f"init_from={self.init_from} supplies every layer from an export and init_layers=target "
+                             "copies the target's top layers: remove one (init_layers=random fine-tunes the export)")
+        return self
 
     @model_validator(mode="after")
     def _vocab_source_needs_a_size(self):
@@ -474,8 +486,10 @@ class DrafterSpec:
       ``draft_vocab_size``; ``limits(hidden_size, vocab_size)``: the inclusive bounds of every
       numeric field, ``size_limits`` and the algorithm's own, checked before an export is built);
     - ``model``: its module, ``model(config, embed_tokens=, lm_head=)`` with a class attribute
-      ``algorithm``, the target's embedding and LM head shared (not in its state dict), and
-      ``DraftVocabHead``'s methods;
+      ``algorithm``, the target's embedding and LM head shared (not in its state dict),
+      ``DraftVocabHead``'s methods, its decoder layers as ``layers`` and
+      ``target_layer_tensors(index)``: {tensor of draft layer ``index``: the target decoder layer's
+      tensor of the same role} (``drafter.init_layers=target``, ``trainer/init_layers.py``);
     - ``debug_config(target, layer_ids=None)``: a tiny config for tests on ``target``.
     """
 

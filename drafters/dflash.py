@@ -404,6 +404,14 @@ class DFlashDrafter(DraftVocabHead, nn.Module):
 
     algorithm = "dflash"
     layer_class = DFlashLayer  # a variant (DFlash 2) swaps in its own decoder layer
+    # {draft layer tensor: the target decoder layer's tensor of the same role} (drafter.init_layers=target)
+    TARGET_LAYER_TENSORS = {
+        "input_norm.weight": "input_layernorm.weight",
+        **{f"attn.{p}_proj.weight": f"self_attn.{p}_proj.weight" for p in "qkvo"},
+        **{f"attn.{n}_norm.weight": f"self_attn.{n}_norm.weight" for n in "qk"},
+        "post_norm.weight": "post_attention_layernorm.weight",
+        **{f"{p}_proj.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")},
+    }
 
     def __init__(self, config: DFlashConfig, *, embed_tokens: nn.Embedding, lm_head: nn.Linear):
         super().__init__()
@@ -439,6 +447,11 @@ class DFlashDrafter(DraftVocabHead, nn.Module):
     @property
     def lm_head(self) -> nn.Linear:
         return self._target_modules[1]
+
+    def target_layer_tensors(self, index: int) -> dict[str, str]:
+        """{tensor of draft layer ``index``: the target layer's tensor of the same role}: every layer
+        is a Llama layer's attention and MLP (its k/v projections also read the context C)."""
+        return self.TARGET_LAYER_TENSORS
 
     def project_context(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Target features [Bt, S, L·D] -> context C [Bt, S, D]."""

@@ -142,6 +142,10 @@ def debug_config(target: Any, layer_ids: tuple[int, ...] | None = None, **overri
     return Eagle3Config(**{**values, **overrides})
 
 
+# the first layer's tensors that have no target-layer counterpart (``Eagle3Drafter.target_layer_tensors``)
+FIRST_LAYER_OWN = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                   "input_layernorm.weight")
+
 # An attention core: (layer index, q [B, H, T, hd], k, v [B, Hkv, T, hd]) -> out [B, H, T, hd].
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -266,6 +270,10 @@ class Eagle3Drafter(DraftVocabHead, nn.Module):
     """The EAGLE-3 draft model; ``embed_tokens`` and ``lm_head`` are the target's (frozen, shared)."""
 
     algorithm = "eagle3"
+    # {draft layer tensor: the target decoder layer's tensor of the same role}: the names are a Llama layer's
+    TARGET_LAYER_TENSORS = {name: name for name in (
+        "input_layernorm.weight", *(f"self_attn.{p}_proj.weight" for p in "qkvo"), "post_attention_layernorm.weight",
+        *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")))}
 
     def __init__(self, config: Eagle3Config, *, embed_tokens: nn.Embedding, lm_head: nn.Linear):
         super().__init__()
@@ -293,6 +301,14 @@ class Eagle3Drafter(DraftVocabHead, nn.Module):
     @property
     def lm_head(self) -> nn.Linear:
         return self._target_modules[1]
+
+    def target_layer_tensors(self, index: int) -> dict[str, str]:
+        """{tensor of draft layer ``index``: the target layer's tensor of the same role}. The first
+        layer's q/k/v projections read ``[E(x); state]`` (2D wide, not the residual stream) and its
+        ``input_layernorm`` normalises the embedding: they, and ``hidden_norm``, keep their
+        initialisation."""
+        own = FIRST_LAYER_OWN if index == 0 else ()
+        return {mine: theirs for mine, theirs in self.TARGET_LAYER_TENSORS.items() if mine not in own}
 
     def fuse(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Target features [..., L·D] -> the target state g [..., D]."""

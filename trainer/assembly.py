@@ -8,7 +8,8 @@ strategy and ``TrainerCore`` back (``build_rank``), on the rank's device. The al
 derives its model config (``drafter_config``), the strategy builds the model.
 
 What a rank loads (DESIGN.md §7a): the target's embedding, final norm and LM head, read from its
-safetensors by tensor name (``load_target(weights="heads")``), never its decoder layers; the
+safetensors by tensor name (``load_target(weights="heads")``), and, with ``drafter.init_layers=target``,
+the tensors of its top layers the drafter's layers start from (``trainer/init_layers.py``); the
 drafter is built on the CPU from the seed (the same weights on every device), then moved with its
 optimizer state to the rank's device (``spec.device``: ``auto | cpu | cuda``, ``capture/devices.py``),
 where the batches are copied (``TrainerCore``). Under bf16 precision the heads are read in the
@@ -37,6 +38,7 @@ from specray.capture.store import Manifest, open_store, read_manifest
 from specray.capture.target import Target, apply_chat_format, load_target, resolve_target_dir
 from specray.drafters.common import DrafterSectionBase
 from specray.trainer.core import OptimSettings, TrainerCore
+from specray.trainer.init_layers import init_target_layers
 from specray.trainer.loader import FeatureLoader
 from specray.trainer.loop import CheckpointHook, Trainer, TrainRun
 from specray.trainer.strategies import get_strategy
@@ -268,7 +270,8 @@ def build_rank(spec: TrainSpec, contract: CaptureContract, *, rank: int = 0, wor
                provenance: dict | None = None, draft_vocab: DraftVocabulary | None = None,
                device: torch.device | None = None) -> RankParts:
     """Target heads, drafter and TrainerCore of one rank, for features captured under ``contract``,
-    on ``device`` (None: ``rank_device(spec, rank=, world_size=)``).
+    on ``device`` (None: ``rank_device(spec, rank=, world_size=)``). With ``drafter.init_layers=target``
+    the drafter's layers start from the target's top layers, and the provenance records which tensors.
 
     With ``drafter.draft_vocab_size`` the vocabulary comes from ``drafter.init_from`` or from
     ``draft_vocab`` (``prepare_draft_vocab``)."""
@@ -280,6 +283,9 @@ def build_rank(spec: TrainSpec, contract: CaptureContract, *, rank: int = 0, wor
     expected = expected_contract(spec.algorithm, target, contract)
     model_cfg = spec.drafter.drafter_config(target, expected.layer_ids)
     model = fresh_drafter(model_cfg, strategy, target, seed=spec.seed)
+    init_layers = {}
+    if spec.drafter.init_layers == "target":  # reads the target's top layers by tensor name
+        init_layers = {"init_layers": init_target_layers(model, model_cfg, target)}
     if spec.drafter.init_from:  # a peer drafter directory (speculators, SGLang, z-lab) is imported first
         from specray.drafters.peer_import import as_export
 
@@ -301,6 +307,7 @@ def build_rank(spec: TrainSpec, contract: CaptureContract, *, rank: int = 0, wor
         "contract": json.loads(contract.to_json()),
         "provenance": {"run": spec.name, "run_dir": spec.run_dir, "target": spec.target, "world_size": world_size,
                        "config": spec.config, "device": str(device), "bf16": optim.bf16, **(provenance or {}), **vocab,
+                       **init_layers,
                        **({"chat_template": spec.chat_template} if spec.chat_template is not None else {})},
     }
     return RankParts(core, expected, extra, target, device)
