@@ -75,12 +75,32 @@ def resolve_dtype(requested: str, device: torch.device, *, field: str = "target.
     return DTYPES[requested]
 
 
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs that compute in bf16
+
+
+def cpu_flags() -> set[str] | None:
+    """This CPU's feature flags (Linux ``/proc/cpuinfo``), or None where they cannot be read."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return None
+    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+
+
 def resolve_precision(requested: str, device: torch.device, *, field: str = "train.precision") -> bool:
-    """Whether the drafter's forward runs under bf16 autocast: ``auto`` = on CUDA only."""
+    """Whether the drafter's forward runs under bf16 autocast: ``auto`` = on CUDA only. ``bf16`` on a
+    CPU whose flags show no bf16 unit (``CPU_BF16_FLAGS``) is refused: it would emulate bf16, slower
+    than fp32 and less exact."""
     if requested not in PRECISIONS:
         raise ValueError(f"{field}={requested!r}: use one of {list(PRECISIONS)}")
     if requested == "auto":
         return torch.device(device).type == "cuda"
+    if requested == "bf16" and torch.device(device).type == "cpu":
+        flags = cpu_flags()
+        if flags is not None and not flags & set(CPU_BF16_FLAGS):
+            raise ValueError(f"{field}=bf16 on this CPU: its flags (lscpu) have none of {list(CPU_BF16_FLAGS)}, so "
+                             "bf16 would be emulated, slower than fp32 and less exact; set "
+                             f"{field}=fp32 (or auto), or train on a CPU with AVX-512 BF16 or AMX, or on a GPU")
     return requested == "bf16"
 
 

@@ -35,7 +35,10 @@ def test_cuda_where_torch_sees_no_gpu_is_refused():
         resolve_device("cuda", field="target.device")
 
 
-def test_dtype_and_precision_follow_the_device():
+def test_dtype_and_precision_follow_the_device(monkeypatch):
+    import specray.capture.devices as devices
+
+    monkeypatch.setattr(devices, "cpu_flags", lambda: {"avx512_bf16"})  # a CPU with a bf16 unit
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_dtype("auto", cpu) == torch.float32 and resolve_dtype("auto", cuda) == torch.bfloat16
     assert resolve_dtype("float16", cpu) == torch.float16

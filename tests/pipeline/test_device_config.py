@@ -70,3 +70,16 @@ def test_specray_train_config_carries_device_and_precision():
     with pytest.raises(ConfigError, match=r"optim\.bf16: unknown key"):  # precision replaces it
         load_config(TrainJobConfig, "manifests/train-dflash-quickstart.yaml", ["optim.bf16=true"])
     assert torch.device(spec.device).type == "cpu"
+
+
+def test_bf16_training_on_a_cpu_without_a_bf16_unit_is_refused(monkeypatch):
+    import specray.capture.devices as devices
+
+    monkeypatch.setattr(devices, "cpu_flags", lambda: {"avx2", "fma"})
+    with pytest.raises(ValueError, match=r"train\.precision=bf16 on this CPU.*avx512_bf16.*set train\.precision=fp32"):
+        devices.resolve_precision("bf16", torch.device("cpu"))
+    assert devices.resolve_precision("fp32", torch.device("cpu")) is False
+    monkeypatch.setattr(devices, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    assert devices.resolve_precision("bf16", torch.device("cpu")) is True
+    monkeypatch.setattr(devices, "cpu_flags", lambda: {"amx_bf16"})
+    assert devices.resolve_precision("bf16", torch.device("cpu")) is True
