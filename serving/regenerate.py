@@ -29,6 +29,13 @@ from dataclasses import dataclass, field
 
 from specray.serving.sampling import SamplingParams
 
+LEN_SLACK = 8  # an engine's max_len beyond max_prompt_tokens + max_tokens
+
+
+def engine_max_len(max_prompt_tokens: int, params: SamplingParams) -> int:
+    """The engine length a regenerating engine needs: the longest context plus one answer."""
+    return max_prompt_tokens + params.max_tokens + LEN_SLACK
+
 
 @dataclass
 class PromptTurns:

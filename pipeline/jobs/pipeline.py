@@ -137,11 +137,12 @@ def run_pipeline(cfg: PipelineConfig, *, progress: bool = True, resume: bool = F
         stages.run("regenerate", ("target", "data", "regenerate"), ("regenerate",),
                    lambda: _regenerate(cfg, report, progress))
     if cfg.mode == "offline":
-        manifest = stages.run("capture", ("capture", "store"), ("capture",),
+        manifest = stages.run("capture", ("target", "data", "capture", "store"), ("capture",),
                               lambda: _capture(cfg, report, progress, reuse=resume))
         checkpoint = stages.run("train", ("train",), ("train",), lambda: _train_offline(cfg, manifest, report, progress))
     else:  # capture and training overlap: that is the point
-        checkpoint = stages.run("capture+train", ("data", "capture", "store", "train", "online"), ("train", "online"),
+        checkpoint = stages.run("capture+train", ("target", "data", "capture", "store", "train", "online"),
+                                ("train", "online"),
                                 lambda: _train_online(cfg, report, progress))
     stages.run("export", (), ("drafter_dir",), lambda: _export(checkpoint, run_dir, report))
     handle = None
@@ -156,7 +157,7 @@ def run_pipeline(cfg: PipelineConfig, *, progress: bool = True, resume: bool = F
         stages.run("serve", ("serve",), ("serve",), serve, reusable=not cfg.serve.keep_running)
     try:
         if cfg.bench.enabled:
-            stages.run("bench", ("bench",), ("bench", "tau", "speedup_vs_ar"), lambda: _bench(cfg, report))
+            stages.run("bench", ("bench", "serve"), ("bench", "tau", "speedup_vs_ar"), lambda: _bench(cfg, report))
     except BaseException:
         if handle is not None:
             handle.stop()

@@ -8,6 +8,8 @@ no weights, no dataset, no Ray. ``target.name`` may be a directory holding only 
 (``tests/pipeline/fixtures/llama-3.1-8b``: Llama-3.1-8B's shape). The stages:
 
 - **target**: its parameters (a meta-device build of the config) in the target's dtype;
+- **regenerate actor** (``regenerate.enabled``): the target and its KV cache for
+  ``regenerate.batch_size`` conversations of the longest context plus one answer;
 - **capture actor**: the weights it holds (split over ``capture.num_gpus_per_actor`` GPUs) and a
   forward of ``capture.max_batch_tokens`` padded tokens (``capture/server.py::forward_memory``);
 - **features**: bytes per token (the contract's tensors in ``capture.dtype``), per sample and for
@@ -37,6 +39,8 @@ from specray.capture.devices import dtype_name, resolve_dtype, resolve_precision
 from specray.capture.server import forward_memory
 from specray.capture.target import Target, resolve_target_dir
 from specray.pipeline.config import PipelineConfig
+from specray.serving.regenerate import engine_max_len
+from specray.serving.sampling import SamplingParams
 from specray.trainer.memory import FP32, StepShape, rank_memory
 from specray.trainer.strategies import get_strategy
 
@@ -108,6 +112,13 @@ def plan(cfg: PipelineConfig, *, device: str = "auto", gpu_memory: float | None 
     stages = [Stage("target", weights, f"{total / 1e9:.2f} B parameters in {dtype_name(target_dtype)} "
                                         f"({tcfg.num_hidden_layers} layers, hidden {tcfg.hidden_size}, vocab "
                                         f"{tcfg.vocab_size})")]
+    if cfg.regenerate.enabled:
+        r = cfg.regenerate
+        rows = r.batch_size * engine_max_len(r.max_prompt_tokens, SamplingParams(max_tokens=r.max_tokens))
+        kv = kv_cache_bytes(tcfg, rows, tb)
+        stages.append(Stage("regenerate actor", weights + kv, f"weights {human(weights)} + KV cache {human(kv)} "
+                            f"({r.batch_size} conversations of up to {r.max_prompt_tokens} + {r.max_tokens} tokens)",
+                            device=True))
     contract = build_contract(cfg.capture.algorithm, target_fingerprint="unplanned", template_fingerprint="unplanned",
                               num_target_layers=tcfg.num_hidden_layers, hidden_size=tcfg.hidden_size,
                               layer_ids=cfg.capture.layer_ids, dtype=cfg.capture.dtype)
@@ -164,16 +175,20 @@ def trainer_stages(cfg: PipelineConfig, target: Target, contract, device: torch.
                     f"gradients {human(memory.gradients)}, batch {human(memory.batch)}, activations peak "
                     f"{human(act.peak)} (kept: {parts})", device=True)]
     if t.live_eval.enabled:
-        tcfg, live = target.config, t.live_eval
-        hd = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads
+        live = t.live_eval
         rows = live.batch_size * (cfg.data.max_length + live.max_tokens + KV_SLACK)
-        tb = torch.finfo(resolve_dtype(cfg.target.dtype, device)).bits // 8
-        kv = 2 * tcfg.num_hidden_layers * tcfg.num_key_value_heads * hd * rows * tb
+        kv = kv_cache_bytes(target.config, rows, torch.finfo(resolve_dtype(cfg.target.dtype, device)).bits // 8)
         stages.append(Stage("rank 0 live eval", memory.peak + weights + kv,
                             f"the trainer rank + the whole target {human(weights)} + KV cache {human(kv)} "
                             f"({live.batch_size} prompts of up to {cfg.data.max_length} + {live.max_tokens} tokens)",
                             device=True))
     return stages
+
+
+def kv_cache_bytes(tcfg, rows: int, element_bytes: int) -> int:
+    """The engine's K and V for ``rows`` token slots over every layer of the target."""
+    hd = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads
+    return 2 * tcfg.num_hidden_layers * tcfg.num_key_value_heads * hd * rows * element_bytes
 
 
 def plan_table(stages: list[Stage]) -> str:

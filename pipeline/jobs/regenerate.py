@@ -19,7 +19,7 @@ its end-of-turn token is not supervised.
 The output is appended to, a line per finished conversation, and ids already there are skipped,
 so an interrupted run resumes (a line torn by a kill is dropped and answered again). ``specray
 regenerate`` answers in this process; the pipeline stage answers on Ray actors with the capture
-actors' resources (``actors/regenerate.py``), in chunks, so a GPU cluster answers on its GPUs.
+actors' resources (``actors/regenerate.py``), so a GPU cluster answers on its GPUs.
 """
 
 from __future__ import annotations
@@ -36,9 +36,6 @@ from specray.capture.contamination import KINDS, EvalOverlap, prompt_kind
 from specray.capture.data import load_conversations
 from specray.serving.regenerate import PromptTurns
 from specray.serving.sampling import SamplingParams
-
-CHUNK_BATCHES = 8  # a Ray chunk holds this many engine batches of conversations
-
 
 def select_prompts(dataset: str, *, num: int, skip: int = 0, exclude: tuple[str, ...] = (), mix: dict | None = None,
                    max_turns: int = 1, done: set[str] = frozenset(), id_field: str | None = None,
@@ -162,12 +159,12 @@ def _answer_here(target_name: str, batch_size: int, max_prompt_tokens: int, para
     def answer(prompts: list[PromptTurns], on_records: Callable) -> None:
         from specray.capture.target import load_target
         from specray.serving.engine import Engine
-        from specray.serving.regenerate import AnswerStats, answer_conversations
+        from specray.serving.regenerate import AnswerStats, answer_conversations, engine_max_len
 
         if not prompts:
             return
         engine = Engine(load_target(target_name), None, max_batch=batch_size,
-                        max_len=max_prompt_tokens + params.max_tokens + 8, max_waiting=None)
+                        max_len=engine_max_len(max_prompt_tokens, params), max_waiting=None)
         stats = AnswerStats()
         seen = (0, 0.0, 0)
         for record in answer_conversations(engine, prompts, params, max_prompt_tokens=max_prompt_tokens, stats=stats):
@@ -191,8 +188,7 @@ def regenerate_stage(cfg, progress: bool) -> dict:
     params = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, seed=r.seed)
 
     def on_ray(prompts: list[PromptTurns], on_records: Callable) -> None:
-        size = r.batch_size * CHUNK_BATCHES
-        regenerate_on_ray(cfg.target.name, [prompts[i:i + size] for i in range(0, len(prompts), size)], params,
+        regenerate_on_ray(cfg.target.name, prompts, params,
                           batch_size=r.batch_size, max_prompt_tokens=r.max_prompt_tokens, on_records=on_records,
                           num_actors=c.num_actors, num_cpus_per_actor=c.num_cpus_per_actor,
                           num_gpus_per_actor=c.num_gpus_per_actor, target_dtype=cfg.target.dtype,

@@ -123,3 +123,14 @@ def test_gpu_memory_sizes_parse():
     assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("141GB") == 141e9 and parse_bytes("8e10") == 8e10
     with pytest.raises(ValueError, match=r"--gpu-memory '80 gigs': give a size such as 80GiB"):
         parse_bytes("80 gigs")
+
+
+def test_the_regenerate_stage_holds_the_target_and_a_kv_cache_per_conversation_slot():
+    """SmolLM2-135M: 30 layers x 3 K/V heads x 64, fp32 on the CPU, 16 slots of 512 + 320 + 8 tokens."""
+    cfg = load_config(PipelineConfig, "manifests/recipe.yaml")
+    stages = {s.name: s for s in plan(cfg, device="cpu")}
+    target, regenerate = stages["target"], stages["regenerate actor"]
+    assert regenerate.bytes == target.bytes + 2 * 30 * 3 * 64 * 16 * (512 + 320 + 8) * 4
+    assert "16 conversations of up to 512 + 320 tokens" in regenerate.detail
+    off = load_config(PipelineConfig, "manifests/recipe.yaml", ["regenerate.enabled=false"])
+    assert "regenerate actor" not in {s.name for s in plan(off, device="cpu")}
