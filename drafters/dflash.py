@@ -23,13 +23,15 @@ Mask (``BlockLayout``), per query of the block anchored at ``a``:
   block) and only the last ``sliding_window`` context positions before the anchor;
 - nothing of any other block.
 
-**MASK token.** ``drafter.mask_token_id`` when set (0 included), else ``choose_mask_token``: the
-tokenizer's mask token, else the first embedding row past its vocabulary (Qwen3: 151669), else its
-lowest reserved/unused special token (Llama-3: 128002), else its unk token when that is a special
-token of its own (the debug target and SmolLM2: ``<|endoftext|>``, id 0); no candidate is an error
-naming ``drafter.mask_token_id``. The id and how it was chosen (``mask_token_origin``) are in the
-config, so in every export's ``config.json``; a saved config with id 0 that does not record its
-origin is refused (``DFlashConfig.from_dict``).
+**MASK token.** ``drafter.mask_token_id`` when set (0 included), else the ``drafter.init_from``
+export's (the id its weights were trained with), else ``choose_mask_token``, which never picks id
+0: the tokenizer's mask token, else the first embedding row past its vocabulary (Qwen3: 151669),
+else its lowest reserved/unused special token (Llama-3: 128002), else its lowest special token
+with no role that the chat template never writes (SmolLM2: ``<repo_name>``, 3), else the token of
+a byte no UTF-8 text holds (the debug target: byte 0xC0, 195); no candidate is an error naming
+``drafter.mask_token_id``. The id and how it was chosen (``mask_token_origin``) are in
+the config, so in every export's ``config.json``; a saved config with id 0 that does not record its
+origin is refused (``DFlashConfig.from_dict``), one that records it loads as saved.
 
 **Block-key bias (our addition, not in the seed or the DFlash reference; off by default).** With
 ``block_key_bias > 0`` each head adds a learned logit bias (initialised to that value) to the keys
@@ -63,6 +65,7 @@ being the position of the anchor token itself.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import asdict, dataclass, fields
@@ -168,37 +171,82 @@ class DFlashConfig:
 
 
 # How a DFlash-family MASK token was chosen: set in the manifest (drafter.mask_token_id), built in code
-# ("config"), one of choose_mask_token's rules, or an export that predates the record (a non-zero id).
-MASK_ORIGINS = ("drafter.mask_token_id", "config", "tokenizer.mask_token", "unused_embedding_row",
-                "reserved_special_token", "tokenizer.unk_token", "unrecorded")
+# ("config"), one of choose_mask_token's rules (MASK_RULES), or an export that predates the record (a
+# non-zero id). "tokenizer.unk_token" is no rule of choose_mask_token: exports that record it load as saved.
+MASK_RULES = ("tokenizer.mask_token", "unused_embedding_row", "reserved_special_token", "unrendered_special_token",
+              "unused_byte_token")
+MASK_ORIGINS = ("drafter.mask_token_id", "drafter.init_from", "config", *MASK_RULES, "tokenizer.unk_token", "unrecorded")
 RESERVED_TOKEN = re.compile(r"reserved|unused", re.IGNORECASE)  # Llama-3 <|reserved_special_token_0|>, Gemma <unused0>
+TOKEN_ROLES = ("bos", "eos", "pad", "unk", "sep", "cls")  # special tokens text and templates use
+# Bytes no UTF-8 text holds (overlong lead bytes, lead bytes past U+10FFFF): no text encodes to their tokens.
+NON_UTF8_BYTES = (0xC0, 0xC1, *range(0xF5, 0x100))
 
 
 def choose_mask_token(tokenizer, vocab_size: int) -> tuple[int, str]:
     """(MASK id, how it was chosen) for a target: a token no text the drafter drafts after is made of.
 
-    In order: the tokenizer's mask token; the first embedding row past every token the tokenizer
-    knows (no text encodes to it: Qwen3's 151669, as z-lab's DFlash drafters use); the lowest
-    reserved or unused added special token (Llama-3's ``<|reserved_special_token_0|>``, 128002);
-    the unk token when it is an added special token and not the bos, eos or pad token (the debug
-    target's and SmolLM2's ``<|endoftext|>``, id 0). Otherwise a ``ValueError`` says how to set one."""
-    mask = getattr(tokenizer, "mask_token_id", None)
-    if mask is not None:
-        return int(mask), "tokenizer.mask_token"
-    past = max(tokenizer.get_vocab().values()) + 1
-    if past < vocab_size:
-        return past, "unused_embedding_row"
-    added = tokenizer.added_tokens_decoder  # {id: AddedToken}
-    reserved = sorted(i for i, t in added.items() if t.special and RESERVED_TOKEN.search(t.content) and i < vocab_size)
-    if reserved:
-        return reserved[0], "reserved_special_token"
-    unk = tokenizer.unk_token_id
-    roles = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id}
-    if unk is not None and unk not in roles and unk in added and added[unk].special and unk < vocab_size:
-        return int(unk), "tokenizer.unk_token"
-    raise ValueError("the target's tokenizer has no mask token, no embedding row past its vocabulary, no reserved or "
-                     "unused special token and no separate unk token to stand for MASK: set drafter.mask_token_id to "
-                     "the id of a token the training data never holds (e.g. an added special token)")
+    The rules of ``MASK_RULES``, in order, each giving its lowest id inside the embedding and never
+    id 0 (an ordinary text token in many tokenizers: ``!`` in Llama-3's and Qwen3's; only
+    ``drafter.mask_token_id`` sets 0):
+
+    - ``tokenizer.mask_token``: the tokenizer's mask token;
+    - ``unused_embedding_row``: the first embedding row past every token the tokenizer knows (no
+      text encodes to it: Qwen3's 151669, as z-lab's DFlash drafters use);
+    - ``reserved_special_token``: a reserved or unused added special token (Llama-3's
+      ``<|reserved_special_token_0|>``, 128002);
+    - ``unrendered_special_token``: an added special token with no role (``TOKEN_ROLES``) that the
+      chat template never writes (SmolLM2's ``<repo_name>``, 3);
+    - ``unused_byte_token``: the token of a byte no UTF-8 text holds (``NON_UTF8_BYTES``), a
+      byte-level BPE's or a byte-fallback ``<0xC0>`` (the debug target's ``À`` for byte 0xC0, 195).
+
+    Otherwise a ``ValueError`` says how to set one."""
+    candidates = {"tokenizer.mask_token": lambda: [getattr(tokenizer, "mask_token_id", None)],
+                  "unused_embedding_row": lambda: [max(tokenizer.get_vocab().values()) + 1],
+                  "reserved_special_token": lambda: _added_specials(tokenizer,
+                                                                    lambda t: RESERVED_TOKEN.search(t.content)),
+                  "unrendered_special_token": lambda: _unrendered_specials(tokenizer),
+                  "unused_byte_token": lambda: _unused_byte_tokens(tokenizer)}  # each read only when reached
+    for rule in MASK_RULES:
+        ids = sorted(int(i) for i in candidates[rule]() if i is not None and 0 < i < vocab_size)
+        if ids:
+            return ids[0], rule
+    raise ValueError("the target's tokenizer has no mask token (other than id 0), no embedding row past its "
+                     "vocabulary, no reserved, unused or unrendered special token and no byte token that UTF-8 text "
+                     "never holds to stand for MASK: set drafter.mask_token_id to the id of a token the training "
+                     "data never holds (id 0 only if that is true of it)")
+
+
+def _added_specials(tokenizer, keep) -> list[int]:
+    """Ids of the tokenizer's added special tokens that ``keep(AddedToken)`` accepts."""
+    return [i for i, token in tokenizer.added_tokens_decoder.items() if token.special and keep(token)]
+
+
+def _unrendered_specials(tokenizer) -> list[int]:
+    """Added special tokens with no role (``TOKEN_ROLES``) whose text no chat template of the tokenizer holds."""
+    roles = {getattr(tokenizer, f"{role}_token_id", None) for role in TOKEN_ROLES}
+    template = tokenizer.chat_template or ""
+    templates = list(template.values()) if isinstance(template, dict) else [template]
+    return [i for i in _added_specials(tokenizer, lambda t: not any(t.content in text for text in templates))
+            if i not in roles]
+
+
+def _unused_byte_tokens(tokenizer) -> list[int]:
+    """Tokens of ``NON_UTF8_BYTES``: byte-fallback ``<0xC0>`` names, and for a byte-level BPE the
+    character it maps the byte to (GPT-2's table maps bytes 0xAE-0xFF to themselves)."""
+    vocab = tokenizer.get_vocab()
+    names = [f"<0x{b:02X}>" for b in NON_UTF8_BYTES]
+    if _byte_level(tokenizer):
+        names += [chr(b) for b in NON_UTF8_BYTES]
+    return [vocab[name] for name in names if name in vocab]
+
+
+def _byte_level(tokenizer) -> bool:
+    """True for a fast tokenizer whose pre-tokenizer is (or holds) tokenizers' ``ByteLevel``."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    pre = json.loads(backend.to_str()).get("pre_tokenizer") or {}
+    return pre.get("type") == "ByteLevel" or any(p.get("type") == "ByteLevel" for p in pre.get("pretokenizers") or [])
 
 
 class DFlashSection(DrafterSectionBase):
@@ -214,9 +262,11 @@ class DFlashSection(DrafterSectionBase):
     block_size: int = Field(8, description="B: anchor + B-1 draft tokens per block (>= 2)")
     attention: Literal["full", "sliding"] = Field("full", description="full: bidirectional in block; sliding: causal + window")
     sliding_window: int | None = Field(None, gt=0, description="context positions visible with attention=sliding")
-    mask_token_id: int | None = Field(None, ge=0, description="MASK token id (None = chosen from the tokenizer: its "
-                                                               "mask token, else an embedding row past its vocabulary, "
-                                                               "else a reserved special token, else its unk token)")
+    mask_token_id: int | None = Field(None, ge=0, description="MASK token id (None = chosen from the tokenizer, "
+                                                               "never 0: its mask token, else an embedding row past "
+                                                               "its vocabulary, else a reserved special token, else "
+                                                               "a special token its chat template never writes, else "
+                                                               "a byte token no UTF-8 text holds)")
     block_key_bias: float = Field(0.0, ge=0, description="initial value of a learned per-head logit bias on the "
                                                          "block's own keys (in no peer model: a drafter with it cannot "
                                                          "be exported as speculators); 0 = off, no such parameter")
@@ -228,11 +278,27 @@ class DFlashSection(DrafterSectionBase):
             raise ValueError("block_size must be >= 2 (one anchor + at least one draft token); DFlash uses 8-16")
         return value
 
+    def mask_token(self, target: Any) -> tuple[int, str]:
+        """(MASK id, origin): ``mask_token_id`` when set; else the ``init_from`` export's, whose weights
+        were trained with it; else ``choose_mask_token``'s. A peer directory's MASK is checked
+        against this choice when it is imported."""
+        if self.mask_token_id is not None:
+            return self.mask_token_id, "drafter.mask_token_id"
+        if self.init_from:
+            from specray.drafters.format import InvalidDrafterError, read_drafter_config  # the registry imports us
+
+            try:
+                mask = read_drafter_config(self.init_from)["architecture"].get("mask_token_id")
+            except InvalidDrafterError:  # a peer directory: imported, and its MASK checked, when it is used
+                mask = None
+            if isinstance(mask, int):
+                return mask, "drafter.init_from"
+        return choose_mask_token(target.tokenizer, target.vocab_size)
+
     def drafter_config(self, target: Any, layer_ids: tuple[int, ...]) -> DFlashConfig:
         """The model config of this section for ``target``, reading the captured ``layer_ids``."""
         sizes = target_sizes(target)
-        mask, origin = ((self.mask_token_id, "drafter.mask_token_id") if self.mask_token_id is not None
-                        else choose_mask_token(target.tokenizer, target.vocab_size))
+        mask, origin = self.mask_token(target)
         return DFlashConfig(
             hidden_size=target.hidden_size, vocab_size=target.vocab_size, target_layer_ids=tuple(layer_ids),
             mask_token_id=mask, mask_token_origin=origin, num_layers=self.num_layers,

@@ -196,7 +196,7 @@ def default_zlab_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
 
 
 def _dflash_family(algorithm: str, arch: dict, draft: dict, config: dict, path: Path, sample_from_anchor) -> dict:
-    # the MASK id is the one the peer's config names (choose_mask_token's "config" origin)
+    # the MASK id is the one the peer's config names (mask_token_origin "config", as for an id set in code)
     arch = dict(arch, attention="full", sliding_window=None, block_key_bias=0.0, mask_token_origin="config")
     if algorithm == "dspark":
         if sample_from_anchor is False:

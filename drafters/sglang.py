@@ -41,9 +41,12 @@ DSpark adds its head fields (``markov_rank``, ``markov_head_type``, ``confidence
 ``enable_confidence_head``, ``sample_from_anchor: true``) there and at the top level, where
 SGLang's head builder reads them. Weights are the speculators names (``drafters/peer.py``): the
 same in z-lab's and SGLang's loaders. A calibrated DSpark export (``specray calibrate``) also gets
-``sts_calibration.json``: its confidence temperatures in SGLang's ``DSparkStsCalibration`` format,
-for ``--speculative-dspark-confidence-sts-path``. Neither reads a draft vocabulary (the target's head
-predicts), DFlash's learned block-key bias or its sliding attention: those are refused.
+``sts_calibration.greedy.json`` and ``sts_calibration.sampling.json``: its confidence temperatures
+of each serving mode in SGLang's ``DSparkStsCalibration`` format with the ``mode`` they are for.
+SGLang's ``--speculative-dspark-confidence-sts-path`` takes one table for all requests: the
+record's serve commands name each file with the requests it fits. Neither format reads a draft
+vocabulary (the target's head predicts), DFlash's learned block-key bias or its sliding attention:
+those are refused.
 """
 
 from __future__ import annotations
@@ -87,25 +90,32 @@ class SglangLayout:
     extra_files: Callable[[torch.nn.Module, Path], dict[str, str]] = lambda model, source: {}
 
 
-STS_FILE = "sts_calibration.json"  # SGLang's --speculative-dspark-confidence-sts-path
+STS_FILE = "sts_calibration.{mode}.json"  # per serving mode: SGLang's --speculative-dspark-confidence-sts-path
+STS_USE = {"greedy": "greedy requests (temperature 0): survival = argmax match",
+           "sampling": "sampled requests: survival = overlap 1 - TV"}
 
 
 def _dspark_calibration(model: torch.nn.Module, source: Path) -> dict[str, str]:
-    """DSpark's confidence temperatures, when the export was calibrated (``specray calibrate``), in
-    SGLang's ``DSparkStsCalibration`` format (one temperature per draft position)."""
-    from specray.drafters.dspark import CALIBRATION_FILE, read_calibration
+    """DSpark's confidence temperatures, when the export was calibrated (``specray calibrate``): one file
+    per serving mode (``STS_FILE``), each in SGLang's ``DSparkStsCalibration`` format (one temperature per
+    draft position, the mode's ECE per position before and after) with the ``mode`` it was fitted for
+    (SGLang reads one table for every request, and ignores the fields it does not know)."""
+    from specray.drafters.dspark import CALIBRATION_FILE, CALIBRATION_MODES, read_calibration
 
     if not (source / CALIBRATION_FILE).is_file():
         return {}
     body = json.loads((source / CALIBRATION_FILE).read_text())
-    # SGLang reads one table, DSpark's overlap 1 - TV (the paper's confidence target): our sampling table
-    sts = {"temperatures": read_calibration(source, model.config.block_size)["sampling"],  # checked against the export
-           "dataset": str(body.get("manifest", "")), "num_samples": int(body.get("blocks", 0))}
-    sampling = (body.get("modes") or {}).get("sampling", {})
-    for ours, theirs in (("ece_by_pos_before", "ece_before"), ("ece_by_pos_after", "ece_after")):
-        if isinstance(sampling.get(ours), list):
-            sts[theirs] = [float(v) for v in sampling[ours]]
-    return {STS_FILE: json.dumps(sts, indent=2) + "\n"}
+    tables = read_calibration(source, model.config.block_size)  # checked against the export
+    files = {}
+    for mode in CALIBRATION_MODES:
+        fitted = (body.get("modes") or {}).get(mode, {})
+        sts = {"temperatures": tables[mode], "dataset": str(body.get("manifest", "")),
+               "num_samples": int(body.get("blocks", 0)), "mode": mode, "use_for": STS_USE[mode]}
+        for ours, theirs in (("ece_by_pos_before", "ece_before"), ("ece_by_pos_after", "ece_after")):
+            if isinstance(fitted.get(ours), list):
+                sts[theirs] = [float(v) for v in fitted[ours]]
+        files[STS_FILE.format(mode=mode)] = json.dumps(sts, indent=2) + "\n"
+    return files
 
 
 def _eagle3_fields(arch: dict, target: Target) -> dict:
@@ -236,9 +246,11 @@ def write_sglang_export(export_dir: str | Path, out_dir: str | Path, *, target: 
     tensors = {**rename_state(layout.renames, state, list(arch["target_layer_ids"]), f"SGLang {layout.architecture}"),
                **layout.target_tensors(state.get("draft_vocab"), source.model.lm_head.weight.to(dtype))}
     extra = layout.extra_files(source.model, source.path)
-    serve = [f"python -m sglang.launch_server --model-path {source.verifier} --speculative-algorithm "
-             f"{layout.algorithm} --speculative-draft-model-path {out.name}"
-             + (f" --speculative-dspark-confidence-sts-path {out.name}/{STS_FILE}" if STS_FILE in extra else "")]
+    launch = (f"python -m sglang.launch_server --model-path {source.verifier} --speculative-algorithm "
+              f"{layout.algorithm} --speculative-draft-model-path {out.name}")
+    tables = [(STS_FILE.format(mode=mode), use) for mode, use in STS_USE.items() if STS_FILE.format(mode=mode) in extra]
+    serve = ([f"{launch} --speculative-dspark-confidence-sts-path {out.name}/{name}    # {use}" for name, use in tables]
+             or [launch])
     record = peer_record(source, fmt=f"SGLang {SGLANG_VERSION} ({layout.architecture})", format_name="sglang",
                          serve_commands=serve)
     return write_directory(out, sglang_config(layout, arch, source.target, dtype), tensors, record, extra)

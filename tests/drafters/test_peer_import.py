@@ -1,8 +1,10 @@
 """Importing peer drafters (drafters/peer_import.py): directories the peer packages write themselves
 (speculators' ``from_training_args`` + ``save_pretrained``, z-lab dflash's and SpecForge's
 ``save_pretrained``) import into our format, draft what the peer model drafts, and export back in
-the peer's format with the same tensors; what we cannot compute is refused by name, before
-anything is loaded; a checkpoint of another target is refused.
+the peer's format with the same tensors; our DFlash, DSpark and DFlash 2 exports go through
+``specray export --format sglang`` (z-lab's format) and ``specray import`` back to the same tensors
+and architecture; what we cannot compute is refused by name, before anything is loaded; a
+checkpoint of another target is refused.
 """
 
 import json
@@ -11,13 +13,15 @@ import warnings
 import pytest
 import torch
 from dflash import DFlash2DraftModel, DFlashDraftModel
-from peer_parity import TOLERANCE, by_name, features, fix_anchors, peer_model, randomise
+from peer_parity import (LAYER_IDS, TOLERANCE, ascending, build, by_name, features, fix_anchors, peer_model,
+                         randomise, save_export)
 from safetensors.torch import load_file, save_file
 from speculators.models.dflash import DFlashDraftModel as SpeculatorsDFlash
 from speculators.models.eagle3 import Eagle3DraftModel
 from speculators.train.cli import create_transformer_layer_config
 from transformers import LlamaConfig, Qwen3Config
 
+from specray.drafters import DRAFTERS
 from specray.drafters.format import load_drafter, read_drafter_config
 from specray.drafters.peer import PeerFormatError, write_peer_export
 from specray.drafters.peer_import import as_export, import_peer, is_peer_directory, peer_summary
@@ -198,6 +202,39 @@ def test_specforge_eagle3_for_sglang_imports_and_exports_back(debug_target, tmp_
               peer_dir / "model.safetensors")
     with pytest.raises(PeerFormatError, match=r"lm_head\.weight \[130, 64\] is not the target's"):
         import_peer(peer_dir, tmp_path / "trained-head", target=debug_target)
+
+
+@pytest.mark.parametrize("algorithm, overrides", [
+    ("dflash", {}), ("dspark", {"markov_head_type": "rnn", "markov_rank": 8, "confidence_head_with_markov": False}),
+    ("dflash2", {})])
+def test_our_export_through_zlabs_format_imports_back_the_same(debug_target, tmp_path, capsys, algorithm, overrides):
+    """Our export -> ``specray export --format sglang`` (z-lab's format, ``dflash_config``) -> ``specray
+    import``: the same architecture (MASK id, block size, DSpark's head fields, DFlash 2's selector), the
+    layer ids ascending with fc.weight's input blocks in that order (what z-lab reads), every other tensor
+    the same; exported again, the same z-lab directory."""
+    spec = DRAFTERS[algorithm]
+    cfg = spec.config.from_dict({**spec.debug_config(debug_target, LAYER_IDS).to_dict(), **overrides})
+    model = randomise(build(spec.model, cfg, debug_target), by_name(0.2))
+    export = save_export(tmp_path, debug_target, model)
+    assert main(["export", str(export), "--format", "sglang"]) == 0
+    zlab = tmp_path / "export-sglang"
+    assert main(["import", str(zlab), "--out", str(tmp_path / "imported"), "--target", "debug"]) == 0
+    assert f"from zlab {algorithm}" in capsys.readouterr().out
+    config = read_drafter_config(tmp_path / "imported")
+    assert config["algorithm"] == algorithm and config["capture_contract"]["layer_ids"] == sorted(LAYER_IDS)
+    ours = dict(cfg.to_dict(), target_layer_ids=sorted(LAYER_IDS), mask_token_origin="config")  # named by the config
+    assert config["architecture"] == ours
+    assert (config["architecture"]["mask_token_id"], config["architecture"]["block_size"]) == (195, 4)
+    imported = _load(tmp_path / "imported", debug_target).state_dict()
+    state = model.state_dict()
+    assert imported.keys() == state.keys()
+    for key, tensor in state.items():
+        want = ascending(tensor) if key == "fc.weight" else tensor  # input blocks by ascending layer id
+        assert torch.equal(imported[key], want), key
+    back = write_sglang_export(tmp_path / "imported", tmp_path / "back", target=debug_target)
+    _same_tensors(zlab, back)
+    assert json.loads((back / "config.json").read_text())["dflash_config"] == \
+        json.loads((zlab / "config.json").read_text())["dflash_config"]
 
 
 # -- refusals and the CLI ---------------------------------------------------------------------------

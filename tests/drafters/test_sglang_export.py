@@ -270,22 +270,29 @@ def test_cli_export_sglang_names_the_verifier(debug_target, tmp_path, capsys):
     assert "--verifier" in capsys.readouterr().err
 
 
-def test_a_calibrated_dspark_export_carries_sglangs_sts_file(debug_target, tmp_path):
+def test_a_calibrated_dspark_export_carries_sglangs_sts_file_per_mode(debug_target, tmp_path):
+    """One ``DSparkStsCalibration`` file per serving mode, each with the mode it was fitted for and its ECE
+    per position; the serve commands name each with the requests it fits (SGLang reads one table)."""
     from specray.drafters.dspark import write_calibration
 
     model = _drafter(debug_target, "dspark")
     export = save_export(tmp_path, debug_target, model)
-    temperatures = [1.5, 0.8, 1.2, 2.0]  # SGLang takes the sampling table (DSpark's overlap 1 - TV)
-    write_calibration(export, {"greedy": [0.1, 0.2, 0.3, 0.4], "sampling": temperatures},
-                      {"manifest": "heldout.parquet", "blocks": 64,
-                       "modes": {"greedy": {"ece_by_pos_before": [0.9] * 4, "ece_by_pos_after": [0.01] * 4},
-                                 "sampling": {"ece_by_pos_before": [0.2] * 4, "ece_by_pos_after": [0.05] * 4}}})
+    tables = {"greedy": [0.1, 0.2, 0.3, 0.4], "sampling": [1.5, 0.8, 1.2, 2.0]}
+    ece = {"greedy": ([0.9] * 4, [0.01] * 4), "sampling": ([0.2] * 4, [0.05] * 4)}
+    write_calibration(export, tables, {"manifest": "heldout.parquet", "blocks": 64, "modes": {
+        mode: {"ece_by_pos_before": before, "ece_by_pos_after": after} for mode, (before, after) in ece.items()}})
     out = write_sglang_export(export, tmp_path / "sglang", target=debug_target)
-    sts = json.loads((out / "sts_calibration.json").read_text())  # SGLang's DSparkStsCalibration fields
-    assert sts == {"temperatures": temperatures, "dataset": "heldout.parquet", "num_samples": 64,
-                   "ece_before": [0.2] * 4, "ece_after": [0.05] * 4}
     record = json.loads((out / "specray_export.json").read_text())
-    assert f"--speculative-dspark-confidence-sts-path sglang/sts_calibration.json" in record["serve_commands"][0]
+    assert not (out / "sts_calibration.json").exists()  # no file that names no mode
+    for mode, use, command in (("greedy", "greedy requests", record["serve_commands"][0]),
+                               ("sampling", "sampled requests", record["serve_commands"][1])):
+        sts = json.loads((out / f"sts_calibration.{mode}.json").read_text())
+        assert sts == {"temperatures": tables[mode], "dataset": "heldout.parquet", "num_samples": 64, "mode": mode,
+                       "use_for": sts["use_for"], "ece_before": ece[mode][0], "ece_after": ece[mode][1]}
+        assert sts["use_for"].startswith(use)
+        assert f"--speculative-dspark-confidence-sts-path sglang/sts_calibration.{mode}.json    # {use}" in command
+    assert len(record["serve_commands"]) == 2
     uncalibrated = write_sglang_export(save_export(tmp_path, debug_target, model, name="plain"),
                                        tmp_path / "plain-sglang", target=debug_target)
-    assert not (uncalibrated / "sts_calibration.json").exists()
+    assert not list(uncalibrated.glob("sts_calibration*"))
+    assert "sts-path" not in json.loads((uncalibrated / "specray_export.json").read_text())["serve_commands"][0]

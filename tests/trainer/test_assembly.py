@@ -74,5 +74,5 @@ def test_dflash_section_takes_unset_sizes_from_the_target(debug_target):
                                                                         tcfg.intermediate_size)
     assert cfg.head_dim == tcfg.hidden_size // tcfg.num_attention_heads and cfg.rms_norm_eps == tcfg.rms_norm_eps
     assert (cfg.block_size, cfg.draft_vocab_size, cfg.num_layers) == (4, 32, 1)
-    assert debug_target.tokenizer.mask_token_id is None  # no mask token: the unk token stands for MASK
-    assert cfg.mask_token_id == debug_target.tokenizer.unk_token_id
+    assert debug_target.tokenizer.mask_token_id is None  # no mask token: the token of byte 0xC0 stands for MASK
+    assert (cfg.mask_token_id, cfg.mask_token_origin) == (195, "unused_byte_token")

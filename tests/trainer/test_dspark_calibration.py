@@ -75,20 +75,26 @@ def test_calibrate_writes_the_file_serving_reads_and_refuses_a_mismatch(debug_ta
     assert main(["calibrate", out, "--manifest", str(manifest), "--target", "debug",
                  "--json", str(tmp_path / "cal.json")]) == 0
     printed = capsys.readouterr().out
-    for line in ("greedy (argmax of q = argmax of the target)", "sampling (c* = 1 - TV(p, q))", "ECE before",
-                 "ECE after", "temperature by pos"):
-        assert line in printed
-    result = json.loads((tmp_path / "cal.json").read_text())
     B = drafter.config.block_size
+    greedy, sampling = printed.split("greedy (argmax of q = argmax of the target)")[1].split(
+        "sampling (c* = 1 - TV(p, q))")
+    for section in (greedy, sampling):  # each mode prints its ECE per position, before and after
+        for label in ("temperature by pos", "ECE before", "ECE after"):
+            line = next(row for row in section.splitlines() if row.strip().startswith(label))
+            assert len(line.split("by pos")[1].split()) == B, line
+    result = json.loads((tmp_path / "cal.json").read_text())
     assert result["blocks"] > 0 and set(result["modes"]) == set(dspark.CALIBRATION_MODES)
     tables = [result["modes"][mode]["temperatures"] for mode in dspark.CALIBRATION_MODES]
     for mode in dspark.CALIBRATION_MODES:
         m = result["modes"][mode]
         assert len(m["temperatures"]) == len(m["ece_by_pos_before"]) == len(m["ece_by_pos_after"]) == B
+        assert all(math.isfinite(e) for e in m["ece_by_pos_before"] + m["ece_by_pos_after"])
         assert m["ece_after"] < 0.5 * m["ece_before"], (mode, m)
     path = Path(out) / dspark.CALIBRATION_FILE
     body = json.loads(path.read_text())
     assert body["block_size"] == B and [body["modes"][m]["temperatures"] for m in dspark.CALIBRATION_MODES] == tables
+    for mode in dspark.CALIBRATION_MODES:  # the file keeps each mode's ECE per position too
+        assert body["modes"][mode]["ece_by_pos_after"] == result["modes"][mode]["ece_by_pos_after"]
     loaded = _load(debug_target, out)
     assert loaded.confidence_temperature.flatten().tolist() == pytest.approx(sum(tables, []))  # rows: greedy, sampling
     assert "confidence_temperature" not in loaded.state_dict()  # the weights and their sha256 are untouched
@@ -169,6 +175,10 @@ def test_greedy_and_sampling_tables_differ_when_argmax_and_overlap_disagree(debu
     assert max(greedy["temperatures"]) < 0.1 < 5.0 < min(sampling["temperatures"])
     assert greedy["ece_after"] < 0.05 and greedy["ece_after"] < greedy["ece_before"]
     assert sampling["ece_after"] < sampling["ece_before"]
+    for mode in (greedy, sampling):  # the ECE per position of each mode, each lowered by its own table
+        assert len(mode["ece_by_pos_before"]) == len(mode["ece_by_pos_after"]) == cfg.block_size
+        assert all(a <= b + 1e-9 for a, b in zip(mode["ece_by_pos_after"], mode["ece_by_pos_before"]))
+    assert all(e < 0.05 for e in greedy["ece_by_pos_after"])
     # the sampling table read for greedy requests would be far off: the reason for one table per mode
     assert survival_ece(*_rows_of(out, manifest, debug_target, "greedy"), sampling["temperatures"])[1] > 0.3
 
