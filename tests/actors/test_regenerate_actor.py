@@ -12,7 +12,9 @@ from specray.serving.sampling import SamplingParams
 pytestmark = pytest.mark.ray
 
 PROMPTS = [PromptTurns(f"c{i}", (f"Question {i}: tell me about {i * 7}.", "And then?"), kind="chat") for i in range(16)]
-PARAMS = SamplingParams(max_tokens=24)
+# the debug target never ends a turn by itself: a token it often writes stands for the end of turn,
+# so some answers stop (and their conversations go on to the second turn) and some are cut
+PARAMS = SamplingParams(max_tokens=24, stop_token_ids=(186,))
 
 
 def _here() -> dict[str, dict]:
@@ -47,4 +49,4 @@ def test_actors_answer_as_one_process_does(ray_cluster, monkeypatch, kill):
     assert sorted(r["id"] for r in got) == sorted(p.id for p in PROMPTS)  # each conversation once
     reference = _here()
     assert {r["id"]: r for r in got} == reference  # greedy: the same records wherever they were answered
-    assert any(r["turns"] == 2 for r in got)
+    assert any(r["turns"] == 2 for r in got) and any(r["finish_reason"] == "length" for r in got)
