@@ -45,16 +45,16 @@ class RegenerateActor:
         self.records: list[dict] = []
         self.stats, self.sent = AnswerStats(), AnswerStats()
         self.error: str | None = None
-        self.running = False
+        self.state = "idle"  # idle (no share yet: started, or restarted by Ray) -> running -> done
 
     def ready(self) -> int:
         return os.getpid()
 
     def start(self, prompts: list[PromptTurns], params: SamplingParams, max_prompt_tokens: int) -> None:
         """Answer ``prompts`` on a background thread; ``poll`` hands the records over."""
-        if self.running:
-            raise RuntimeError("this actor is answering already")
-        self.running = True
+        if self.state != "idle":
+            raise RuntimeError(f"this actor's share is {self.state} already")
+        self.state = "running"
 
         def work() -> None:
             try:
@@ -65,12 +65,14 @@ class RegenerateActor:
             except BaseException as e:  # handed to the driver by poll
                 self.error = f"{type(e).__name__}: {e}"
             finally:
-                self.running = False
+                self.state = "done"
 
         threading.Thread(target=work, daemon=True).start()
 
-    def poll(self) -> tuple[list[dict], dict, bool]:
-        """(records finished since the last poll, the stats they add, whether this share is done)."""
+    def poll(self) -> tuple[list[dict], dict, str]:
+        """(records finished since the last poll, the stats they add, ``state``). ``idle`` after a
+        ``start`` means Ray restarted the actor: the driver gives it the rest of its share again."""
+        state = self.state  # read first: once it says done, every record is in the list below
         if self.error:
             raise RuntimeError(f"regenerate failed: {self.error}")
         with self.lock:
@@ -78,7 +80,7 @@ class RegenerateActor:
             now = AnswerStats(**{k: v for k, v in vars(self.stats).items()})
         delta = {k: v - getattr(self.sent, k) for k, v in vars(now).items()}
         self.sent = now
-        return records, delta, not self.running
+        return records, delta, state
 
 
 def regenerate_on_ray(target: str, prompts: list[PromptTurns], params: SamplingParams, *, batch_size: int,
@@ -100,26 +102,42 @@ def regenerate_on_ray(target: str, prompts: list[PromptTurns], params: SamplingP
     restarts = [0] * len(actors)
     try:
         for i, actor in enumerate(actors):
-            ray.get(actor.ready.remote(), timeout=start_timeout_s)
+            _wait_ready(actor, start_timeout_s)
             actor.start.remote(list(left[i].values()), params, max_prompt_tokens)
         active = set(range(len(actors)))
         while active:
             time.sleep(POLL_S)
             for i in sorted(active):
                 try:
-                    records, stats, finished = ray.get(actors[i].poll.remote())
+                    records, stats, state = ray.get(actors[i].poll.remote())
                 except (RayActorError, ActorUnavailableError):
+                    state, records = "lost", []
+                if state in ("lost", "idle"):  # died; a poll may also reach its restarted successor first
                     restarts[i] += 1
                     if restarts[i] > max_restarts:
-                        raise
-                    ray.get(actors[i].ready.remote(), timeout=start_timeout_s)  # restarted by Ray
+                        raise RuntimeError(f"regenerate actor {i} died {restarts[i]} times; {len(left[i])} of its "
+                                           "conversations are not answered")
+                    _wait_ready(actors[i], start_timeout_s)  # restarted by Ray
                     actors[i].start.remote(list(left[i].values()), params, max_prompt_tokens)
                     continue
                 for record in records:
                     left[i].pop(record["id"], None)
                 on_records(records, stats)
-                if finished:
+                if state == "done":
                     active.discard(i)
     finally:
         for actor in actors:
             ray.kill(actor)
+
+
+def _wait_ready(actor, timeout_s: float) -> None:
+    """Until the actor answers (its target loaded); a restarting actor is unavailable for a while."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get(actor.ready.remote(), timeout=max(deadline - time.monotonic(), 0.1))
+            return
+        except ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
