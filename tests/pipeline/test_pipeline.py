@@ -241,7 +241,8 @@ def test_offline_pipeline_resumes_after_its_driver_is_killed(ray_cluster, tmp_pa
     assert killed_at < 12
 
     report, _ = run_pipeline(cfg, progress=False, resume=True)
-    assert report.capture["reused"] and report.capture["manifest"] == manifest_uri(cfg)
+    assert report.stages_reused == ["capture"]  # finished before the kill: its record is kept, it does not run
+    assert report.capture["manifest"] == manifest_uri(cfg)
     assert report.train["steps"] == 12  # the same final step count as an uninterrupted run
     attempts = Ledger(str(ledger_dir)).replay().attempts
     assert len(attempts) == report.train["attempts"] >= 2  # the killed driver's gang and the resumed one
