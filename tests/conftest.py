@@ -27,7 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import safetensors
 
+import specray.capture.target
 from ports import free_port
 from specray.capture.target import DEFAULT_TARGET, load_target
 
@@ -131,3 +133,35 @@ def ray_cluster(tmp_path_factory):
                          context.address_info["session_dir"])
     finally:
         ray.shutdown()
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """The tensor names read through ``safe_open`` in capture/target.py (headers are not reads): what a
+    trainer rank reads of the target (its heads, the layers ``drafter.init_layers`` copies)."""
+    names: list[str] = []
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self.file = safetensors.safe_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.inner = self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_tensor(self, name):
+            names.append(name)
+            return self.inner.get_tensor(name)
+
+        def get_slice(self, name):
+            names.append(name)
+            return self.inner.get_slice(name)
+
+    monkeypatch.setattr(specray.capture.target, "safe_open", Recording)
+    return names

@@ -6,7 +6,6 @@ import shutil
 
 import pytest
 import torch
-from safetensors import safe_open as real_safe_open
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import specray.capture.target as target_module
@@ -18,37 +17,6 @@ from specray.trainer.core import OptimSettings
 from specray.trainer.strategies.eagle3 import Eagle3Objective
 
 HEADS_UNTIED = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
-
-
-@pytest.fixture
-def reads(monkeypatch):
-    """The tensor names read through ``safe_open`` in capture/target.py (headers are not reads)."""
-    names: list[str] = []
-
-    class Recording:
-        def __init__(self, *args, **kwargs):
-            self.file = real_safe_open(*args, **kwargs)
-
-        def __enter__(self):
-            self.inner = self.file.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.file.__exit__(*exc)
-
-        def keys(self):
-            return self.inner.keys()
-
-        def get_tensor(self, name):
-            names.append(name)
-            return self.inner.get_tensor(name)
-
-        def get_slice(self, name):
-            names.append(name)
-            return self.inner.get_slice(name)
-
-    monkeypatch.setattr(target_module, "safe_open", Recording)
-    return names
 
 
 @pytest.fixture(scope="module")

@@ -4,10 +4,8 @@ target's top layers, read by tensor name; the refusals name the field and the fi
 import pytest
 import torch
 from pydantic import ValidationError
-from safetensors import safe_open as real_safe_open
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-import specray.capture.target as target_module
 from specray.capture.contract import build_contract
 from specray.capture.target import DEFAULT_TARGET, load_target
 from specray.drafters import DRAFTERS
@@ -20,33 +18,6 @@ DEBUG_LAYERS = 8  # the debug target's decoder layers (capture/target.py)
 LLAMA_LAYER = {"input_layernorm.weight", "post_attention_layernorm.weight",
                *(f"self_attn.{p}_proj.weight" for p in "qkvo"),
                *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down"))}
-
-
-@pytest.fixture
-def reads(monkeypatch):
-    """The tensor names read through ``safe_open`` by the heads and the layer copy (headers are not reads)."""
-    names: list[str] = []
-
-    class Recording:
-        def __init__(self, *args, **kwargs):
-            self.file = real_safe_open(*args, **kwargs)
-
-        def __enter__(self):
-            self.inner = self.file.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.file.__exit__(*exc)
-
-        def keys(self):
-            return self.inner.keys()
-
-        def get_tensor(self, name):
-            names.append(name)
-            return self.inner.get_tensor(name)
-
-    monkeypatch.setattr(target_module, "safe_open", Recording)
-    return names
 
 
 def _rank(tmp_path, target="debug", algorithm="dflash", **drafter):
