@@ -80,11 +80,11 @@ def answered(path: Path) -> set[str]:
     text = path.read_text()
     lines, ids = text.splitlines(keepends=True), set()
     good = 0
-    for line in lines:
+    for n, line in enumerate(lines, 1):
         try:
             ids.add(json.loads(line)["id"])
         except (json.JSONDecodeError, KeyError, TypeError):
-            if line is lines[-1]:
+            if n == len(lines):
                 break
             raise ValueError(f"{path}: a line that is not a regenerated conversation: {line[:120]!r}; move the file "
                              "away or pick another output") from None
