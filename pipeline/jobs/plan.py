@@ -78,14 +78,16 @@ class Stage:
         return f"{self.name:<16} {human(self.bytes):>11}  {self.detail}{fit}"
 
 
+# a target directory with a config only: nothing is chosen from its tokenizer (a MASK id changes no shape)
+NO_TOKENIZER = SimpleNamespace(mask_token_id=None, unk_token_id=None, pad_token_id=None, eos_token_id=None)
+
+
 def describe(name: str) -> Target:
     """The target's config (and tokenizer when its directory has one): what the plan reads, no weights."""
     path = resolve_target_dir(name)
     config = AutoConfig.from_pretrained(path)
     has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
-    # without a tokenizer a drafter's MASK id is 0: it does not change any shape
-    tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else SimpleNamespace(
-        mask_token_id=None, unk_token_id=None, pad_token_id=None, eos_token_id=None)
+    tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else NO_TOKENIZER
     return Target(name, path, None, tokenizer, "unplanned", "unplanned", config=config, weights="none")
 
 
@@ -159,7 +161,10 @@ def trainer_stages(cfg: PipelineConfig, target: Target, contract, device: torch.
     """The trainer rank and rank 0's live evaluation."""
     t = cfg.train
     bf16 = resolve_precision(t.precision, device)
-    model_cfg = t.drafter.drafter_config(target, contract.layer_ids)
+    drafter = t.drafter
+    if target.tokenizer is NO_TOKENIZER and getattr(drafter, "mask_token_id", 0) is None:
+        drafter = drafter.model_copy(update={"mask_token_id": 0})  # sized alike whatever token MASK is
+    model_cfg = drafter.drafter_config(target, contract.layer_ids)
     element = torch.finfo(resolve_dtype(cfg.target.dtype, device)).bits // 8 if bf16 else FP32
     heads_bytes = head_params * element + target.hidden_size * FP32
     width = sum(w for w, _ in contract.tensor_widths().values() if w)

@@ -108,6 +108,15 @@ def test_plan_sizes_an_8b_eagle3_run_on_80gb_gpus_from_its_config_alone(tmp_path
     assert "attention 0 B" in stages["trainer rank"]["detail"], stages["trainer rank"]["detail"]
 
 
+@pytest.mark.parametrize("algorithm", ["dflash", "dspark", "dflash2"])
+def test_plan_sizes_a_dflash_family_run_on_a_target_without_a_tokenizer(algorithm):
+    """No MASK token can be chosen without a tokenizer; the plan does not need one (it changes no shape)."""
+    stages = {s.name: s for s in plan(load_config(PipelineConfig, "manifests/quickstart.yaml", [
+        f"target.name={LLAMA_8B}", f"capture.algorithm={algorithm}", f"train.drafter={{algorithm: {algorithm}}}",
+        "train.drafter.draft_vocab_size=32000"]), device="cuda")}
+    assert f"{algorithm} " in stages["trainer rank"].detail and stages["trainer rank"].bytes > 0
+
+
 def test_a_stage_larger_than_the_gpu_is_marked(capsys):
     assert main(["plan", "manifests/quickstart-eagle3.yaml", "--device", "cuda", "--gpu-memory", "16GB",
                  f"target.name={LLAMA_8B}", "data.max_length=4096", "train.optim.micro_batch_size=1",
