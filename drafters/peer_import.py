@@ -27,7 +27,8 @@ The checks are an export's (``drafters/format.py``), against the target named by
 - a directory our writers made (``specray_export.json``) must carry this target's fingerprints.
 
 The result is a complete export (provenance: the peer directory, its format and config, the
-checks) that ``load_drafter`` then validates like any other.
+checks) that ``load_drafter`` then validates like any other. A DSpark directory's SGLang STS
+files (``sts_calibration.{greedy,sampling}.json``) become its ``calibration.json``.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from specray.drafters.card import PEER_RECORD
 from specray.drafters.format import (MAX_CONFIG_BYTES, check_architecture, load_drafter, read_safetensors_header,
                                      save_drafter)
 from specray.drafters.peer import PEER_LAYOUTS, PeerFormatError, peer_name
-from specray.drafters.sglang import SGLANG_LAYOUTS
+from specray.drafters.sglang import SGLANG_LAYOUTS, STS_FILE
 
 SPECULATORS_ALGORITHMS = ("eagle3", "dflash", "dspark", "dflash2")
 ZLAB_ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2", "DSparkDraftModel": "dspark",
@@ -469,11 +470,53 @@ def import_peer(peer_dir: str | Path, out_dir: str | Path, *, target: Target | s
                   "peer_config": peer.config, "peer_weights_sha256": _sha256(weight_files(path)),
                   "peer_verifier": peer.verifier, "import_checks": checks,
                   **({"peer_provenance": record.get("source_export")} if record else {})}
+    calibration = _sts_tables(path, peer)  # checked before anything is written
     out = save_drafter(out_dir, model, contract=json.loads(contract.to_json()), provenance=provenance)
+    if calibration is not None:  # before the load below, which reads it back against the new export
+        from specray.drafters.dspark import write_calibration
+
+        write_calibration(out, *calibration)
     load_drafter(out, embed_tokens=target.model.get_input_embeddings(), lm_head=target.model.get_output_embeddings(),
                  target_fingerprint=target.target_fingerprint, template_fingerprint=target.template_fingerprint,
                  contract=json.loads(contract.to_json()))
     return out
+
+
+def _sts_tables(path: Path, peer: PeerDrafter) -> tuple[dict[str, list[float]], dict] | None:
+    """A DSpark directory's confidence temperatures per serving mode, from its SGLang STS files
+    (``STS_FILE``, one per mode, each naming its ``mode``): (tables, report) for ``write_calibration``,
+    or None when it has none. A directory with the files of only some modes, a file for another mode
+    or of another block size is refused: the scheduler needs both tables, and a table fitted for one
+    survival event misreads the other (``drafters/dspark.py``)."""
+    from specray.drafters.dspark import CALIBRATION_MODES
+
+    files = {mode: path / STS_FILE.format(mode=mode) for mode in CALIBRATION_MODES}
+    present = [mode for mode, f in files.items() if f.is_file()]
+    if peer.algorithm != "dspark" or not present:
+        return None
+    fix = "remove the STS files to import it uncalibrated, then run `specray calibrate` on the import"
+    if len(present) != len(files):
+        raise PeerFormatError(f"{path}: STS tables for {present} only; the scheduler reads one per serving mode "
+                              f"{list(CALIBRATION_MODES)}: {fix}")
+    tables, report = {}, {"imported_from": [str(f.resolve()) for f in files.values()], "modes": {}}
+    for mode, file in files.items():
+        if file.stat().st_size > MAX_CONFIG_BYTES:
+            raise PeerFormatError(f"{file}: {file.stat().st_size} bytes, more than an STS table holds: {fix}")
+        sts = json.loads(file.read_text())
+        temperatures = sts.get("temperatures")
+        if sts.get("mode") != mode:
+            raise PeerFormatError(f"{file}: mode {sts.get('mode')!r}, not {mode!r}: {fix}")
+        if (not isinstance(temperatures, list) or len(temperatures) != peer.arch["block_size"]
+                or not all(isinstance(t, (int, float)) and 0 < t < float("inf") for t in temperatures)):
+            raise PeerFormatError(f"{file}: temperatures must be {peer.arch['block_size']} positive numbers, one per "
+                                  f"draft position of block_size {peer.arch['block_size']}: {fix}")
+        tables[mode] = [float(t) for t in temperatures]
+        report["modes"][mode] = {ours: sts[theirs] for ours, theirs in (("ece_by_pos_before", "ece_before"),
+                                                                        ("ece_by_pos_after", "ece_after"))
+                                 if isinstance(sts.get(theirs), list)}
+        report.setdefault("manifest", sts.get("dataset", ""))
+        report.setdefault("blocks", sts.get("num_samples", 0))
+    return tables, report
 
 
 def _speculators_verifier(path: Path) -> str | None:

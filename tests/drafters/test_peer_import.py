@@ -237,6 +237,37 @@ def test_our_export_through_zlabs_format_imports_back_the_same(debug_target, tmp
         json.loads((zlab / "config.json").read_text())["dflash_config"]
 
 
+def test_a_calibrated_dspark_keeps_its_tables_through_sglangs_format(debug_target, tmp_path):
+    """Calibrated export -> SGLang's format (an STS file per serving mode) -> import: the imported export's
+    calibration.json holds both tables, checked against the new export and loaded by the drafter. Files
+    of one mode only, or of another block size, are refused before anything is written."""
+    from specray.drafters.dspark import read_calibration, write_calibration
+
+    spec = DRAFTERS["dspark"]
+    model = randomise(build(spec.model, spec.debug_config(debug_target, LAYER_IDS), debug_target), by_name(0.2))
+    export = save_export(tmp_path, debug_target, model)
+    tables = {"greedy": [0.25, 0.5, 0.75, 1.25], "sampling": [1.5, 0.8, 1.2, 2.0]}
+    write_calibration(export, tables, {"manifest": "heldout.parquet", "blocks": 64, "modes": {
+        "greedy": {"ece_by_pos_before": [0.1] * 4, "ece_by_pos_after": [0.01] * 4}}})
+    sglang = write_sglang_export(export, tmp_path / "sglang", target=debug_target)
+    out = import_peer(sglang, tmp_path / "imported", target=debug_target)
+    assert read_calibration(out, 4) == tables
+    body = json.loads((out / "calibration.json").read_text())
+    assert body["modes"]["greedy"]["ece_by_pos_after"] == [0.01] * 4 and body["blocks"] == 64
+    drafter = _load(out, debug_target)
+    assert torch.equal(drafter.confidence_temperature, torch.tensor([tables["greedy"], tables["sampling"]]))
+
+    (sglang / "sts_calibration.sampling.json").unlink()
+    with pytest.raises(PeerFormatError, match=r"STS tables for \['greedy'\] only"):
+        import_peer(sglang, tmp_path / "one-mode", target=debug_target)
+    sts = json.loads((sglang / "sts_calibration.greedy.json").read_text())
+    (sglang / "sts_calibration.sampling.json").write_text(json.dumps({**sts, "mode": "sampling",
+                                                                      "temperatures": [1.0] * 8}))
+    with pytest.raises(PeerFormatError, match="temperatures must be 4 positive numbers"):
+        import_peer(sglang, tmp_path / "other-size", target=debug_target)
+    assert not (tmp_path / "one-mode").exists() and not (tmp_path / "other-size").exists()
+
+
 # -- refusals and the CLI ---------------------------------------------------------------------------
 
 
