@@ -127,6 +127,9 @@ def run_pipeline(cfg: PipelineConfig, *, progress: bool = True, resume: bool = F
     replicas; ``jobs.run_manifest`` picks the driver by mode)."""
     if cfg.mode == "closed_loop":
         raise ValueError("mode: closed_loop runs in pipeline/jobs/closed_loop.py: call jobs.run_manifest(cfg)")
+    from specray.pipeline.jobs.plan import check_before_running
+
+    check_before_running(cfg)  # the drafter against the target's config, before hours of regenerate and capture
     run_dir = _resumed_run_dir(cfg) if resume else fresh_run_dir(cfg.run_dir, refuse=_earlier_run(cfg))
     report = PipelineReport(cfg.name, cfg.mode, str(run_dir.resolve()))
     stages = StageLog(run_dir, cfg, report, resume=resume, progress=progress)

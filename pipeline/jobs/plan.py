@@ -121,9 +121,7 @@ def plan(cfg: PipelineConfig, *, device: str = "auto", gpu_memory: float | None 
         stages.append(Stage("regenerate actor", weights + kv, f"weights {human(weights)} + KV cache {human(kv)} "
                             f"({r.batch_size} conversations of up to {r.max_prompt_tokens} + {r.max_tokens} tokens)",
                             device=True))
-    contract = build_contract(cfg.capture.algorithm, target_fingerprint="unplanned", template_fingerprint="unplanned",
-                              num_target_layers=tcfg.num_hidden_layers, hidden_size=tcfg.hidden_size,
-                              layer_ids=cfg.capture.layer_ids, dtype=cfg.capture.dtype)
+    contract = planned_contract(cfg, tcfg)
     gpus = cfg.capture.num_gpus_per_actor
     split = max(1, int(gpus)) if plan_device.type == "cuda" else 1
     activations = forward_memory(tcfg, contract, tb, max_batch_tokens=cfg.capture.max_batch_tokens,
@@ -156,15 +154,40 @@ def plan(cfg: PipelineConfig, *, device: str = "auto", gpu_memory: float | None 
     return stages
 
 
+def planned_contract(cfg: PipelineConfig, tcfg):
+    """The capture contract of ``cfg`` for a target of config ``tcfg`` (fingerprints unknown)."""
+    return build_contract(cfg.capture.algorithm, target_fingerprint="unplanned", template_fingerprint="unplanned",
+                          num_target_layers=tcfg.num_hidden_layers, hidden_size=tcfg.hidden_size,
+                          layer_ids=cfg.capture.layer_ids, dtype=cfg.capture.dtype)
+
+
+def planned_drafter(cfg: PipelineConfig, target: Target, contract):
+    """The drafter's model config for ``target`` (a ``describe``d one: config and tokenizer only)."""
+    drafter = cfg.train.drafter
+    if target.tokenizer is NO_TOKENIZER and getattr(drafter, "mask_token_id", 0) is None:
+        drafter = drafter.model_copy(update={"mask_token_id": 0})  # sized alike whatever token MASK is
+    return drafter.drafter_config(target, contract.layer_ids)
+
+
+def check_before_running(cfg: PipelineConfig) -> None:
+    """Refuse, before the first stage runs, what the training stage would refuse only after regenerate and
+    capture: a drafter that cannot be built for the target (its MASK token, sizes out of bounds) and
+    ``drafter.init_layers=target`` with widths or depth the target's top layers do not have. Reads what
+    ``plan`` reads: the target's config and tokenizer, no weights."""
+    from specray.trainer.init_layers import check_init_layers
+
+    target = describe(cfg.target.name)
+    model_cfg = planned_drafter(cfg, target, planned_contract(cfg, target.config))
+    if cfg.train.drafter.init_layers == "target":
+        check_init_layers(model_cfg, target)
+
+
 def trainer_stages(cfg: PipelineConfig, target: Target, contract, device: torch.device, head_params: int,
                    weights: float) -> list[Stage]:
     """The trainer rank and rank 0's live evaluation."""
     t = cfg.train
     bf16 = resolve_precision(t.precision, device)
-    drafter = t.drafter
-    if target.tokenizer is NO_TOKENIZER and getattr(drafter, "mask_token_id", 0) is None:
-        drafter = drafter.model_copy(update={"mask_token_id": 0})  # sized alike whatever token MASK is
-    model_cfg = drafter.drafter_config(target, contract.layer_ids)
+    model_cfg = planned_drafter(cfg, target, contract)
     element = torch.finfo(resolve_dtype(cfg.target.dtype, device)).bits // 8 if bf16 else FP32
     heads_bytes = head_params * element + target.hidden_size * FP32
     width = sum(w for w, _ in contract.tensor_widths().values() if w)

@@ -262,13 +262,31 @@ def test_the_ray_object_store_is_refused_for_offline_runs():
         load_config(PipelineConfig, "manifests/quickstart.yaml", ["store.uri=ray://x"])
 
 
+@pytest.mark.parametrize("override, message", [
+    ("train.drafter.num_heads=3", r"drafter.num_heads=3 differs from the target's num_attention_heads=9"),
+    ("train.drafter.num_layers=31", r"drafter.num_layers=31 decoder layers, and the target has num_hidden_layers=30"),
+])
+def test_a_drafter_the_targets_layers_cannot_start_is_refused_before_any_stage(tmp_path, monkeypatch, override,
+                                                                               message):
+    """The recipe starts its layers from the target's: a drafter they do not fit is refused before regenerate
+    (no run dir, no Ray), not after hours of regenerate and capture."""
+    from specray.pipeline.jobs import pipeline
+
+    monkeypatch.setattr("specray.actors.cluster.connect", lambda *a: pytest.fail("Ray was started"))
+    cfg = load_config(PipelineConfig, "manifests/recipe.yaml", [override, f"output.run_dir={tmp_path / 'run'}"])
+    with pytest.raises(ValueError, match=message):
+        pipeline.run_pipeline(cfg, progress=False)
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_run_dir_not_made_by_a_pipeline_is_never_replaced(tmp_path):
     from specray.pipeline.jobs.pipeline import run_pipeline
 
     precious = tmp_path / "precious"
     precious.mkdir()
     (precious / "notes.txt").write_text("keep me")
-    cfg = load_config(PipelineConfig, "manifests/quickstart.yaml", [*TINY, f"output.run_dir={precious}"])
+    cfg = load_config(PipelineConfig, "manifests/quickstart.yaml", [*TINY, "train.drafter.draft_vocab_size=128",
+                                                                     f"output.run_dir={precious}"])
     with pytest.raises(FileExistsError, match="not made by specray pipeline"):
         run_pipeline(cfg, progress=False)
     assert (precious / "notes.txt").read_text() == "keep me"
@@ -349,8 +367,9 @@ def test_a_fresh_run_on_storage_holding_an_earlier_run_is_refused(request, tmp_p
         storage = request.getfixturevalue("seaweedfs").uri(f"storage-{uuid.uuid4().hex[:8]}")
     else:
         storage = str(tmp_path / "storage")
+    vocab = [] if mode == "online" else ["train.drafter.draft_vocab_size=128"]  # the debug target has 259 tokens
     cfg = load_config(PipelineConfig, f"manifests/{'online' if mode == 'online' else 'quickstart'}.yaml",
-                      [*TINY, f"train.storage={storage}", f"output.run_dir={tmp_path / 'run'}"])
+                      [*TINY, *vocab, f"train.storage={storage}", f"output.run_dir={tmp_path / 'run'}"])
     run = f"{storage}/{cfg.train_job(None).name}"
     if left == "ledger":
         Ledger(f"{run}/ledger").attempt(0, parent=None, world_size=1, quantum=2, checkpoint=None, run=run)
