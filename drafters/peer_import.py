@@ -498,18 +498,19 @@ def _sts_tables(path: Path, peer: PeerDrafter) -> tuple[dict[str, list[float]], 
     if len(present) != len(files):
         raise PeerFormatError(f"{path}: STS tables for {present} only; the scheduler reads one per serving mode "
                               f"{list(CALIBRATION_MODES)}: {fix}")
+    block = peer.arch["block_size"]
     tables, report = {}, {"imported_from": [str(f.resolve()) for f in files.values()], "modes": {}}
     for mode, file in files.items():
-        if file.stat().st_size > MAX_CONFIG_BYTES:
-            raise PeerFormatError(f"{file}: {file.stat().st_size} bytes, more than an STS table holds: {fix}")
+        if (size := file.stat().st_size) > MAX_CONFIG_BYTES:
+            raise PeerFormatError(f"{file}: {size} bytes, more than an STS table holds: {fix}")
         sts = json.loads(file.read_text())
         temperatures = sts.get("temperatures")
         if sts.get("mode") != mode:
             raise PeerFormatError(f"{file}: mode {sts.get('mode')!r}, not {mode!r}: {fix}")
-        if (not isinstance(temperatures, list) or len(temperatures) != peer.arch["block_size"]
+        if (not isinstance(temperatures, list) or len(temperatures) != block
                 or not all(isinstance(t, (int, float)) and 0 < t < float("inf") for t in temperatures)):
-            raise PeerFormatError(f"{file}: temperatures must be {peer.arch['block_size']} positive numbers, one per "
-                                  f"draft position of block_size {peer.arch['block_size']}: {fix}")
+            raise PeerFormatError(f"{file}: temperatures must be {block} positive numbers, one per draft position "
+                                  f"of block_size {block}: {fix}")
         tables[mode] = [float(t) for t in temperatures]
         report["modes"][mode] = {ours: sts[theirs] for ours, theirs in (("ece_by_pos_before", "ece_before"),
                                                                         ("ece_by_pos_after", "ece_after"))
