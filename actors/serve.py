@@ -48,7 +48,7 @@ from specray.serving.engine import Engine, EngineLoop
 from specray.serving.http_guard import HttpLimits, is_loopback, normalize_api_key
 from specray.serving.openai_api import create_app
 from specray.serving.recorder import RecordSettings, TrafficRecorder
-from specray.serving.poller import RegistryPoller
+from specray.serving.poller import RegistryPoller, rejection_scope
 from specray.serving.registry import DrafterRegistry
 
 if TYPE_CHECKING:
@@ -56,6 +56,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 METRICS_INTERVAL_S = 5.0  # how often a replica refreshes its Ray Serve metrics
+MAX_CONSTRUCTOR_RETRIES = 3  # a vLLM replica that fails to start this often fails its rollout
+GRACEFUL_SHUTDOWN_S = 300.0  # a retired vLLM replica finishes its requests within this
 
 # engine stats -> Ray Serve metrics: (name, stats key, description)
 _GAUGES = (("tokens_per_second", "tokens_per_second", "generated tokens per second over the last minute"),
@@ -157,6 +159,10 @@ class ReplicaSpec:
     record: RecordSettings = field(default_factory=RecordSettings)  # the config's record section; uri absolute
     chat_template: str | None = None  # template text (the config's chat_template resolved; None = the tokenizer's)
     chat_template_kwargs: dict = field(default_factory=dict)  # written into the template (capture/chat.py)
+    backend: str = "specray"  # specray | vllm
+    vllm_args: dict = field(default_factory=dict)  # vLLM engine arguments (the config's vllm section, not default)
+    drafter_version: int | None = None  # vllm: the registry version this replica serves (None = engine.drafter / AR)
+    num_gpus: float = 0.0  # GPUs Ray grants each replica
 
 
 def _absolute_uri(uri: str) -> str:
@@ -166,7 +172,8 @@ def _absolute_uri(uri: str) -> str:
     return Path(uri.removeprefix("file://")).resolve().as_uri()
 
 
-def replica_spec(cfg: ServeJobConfig, api_key: str | None) -> ReplicaSpec:
+def replica_spec(cfg: ServeJobConfig, api_key: str | None, drafter_version: int | None = None) -> ReplicaSpec:
+    """``drafter_version``: the registry version a vLLM replica serves (``VersionRollout``)."""
     return ReplicaSpec(
         target=str(Path(cfg.target.name).resolve()) if Path(cfg.target.name).is_dir() else cfg.target.name,
         dtype=cfg.target.dtype, device=cfg.target.device, model_name=cfg.served_model_name,
@@ -183,6 +190,8 @@ def replica_spec(cfg: ServeJobConfig, api_key: str | None) -> ReplicaSpec:
         record=cfg.record.model_copy(update={"uri": _absolute_uri(cfg.record.uri)}) if cfg.record.uri else cfg.record,
         chat_template=resolve_chat_template(cfg.chat_template, field="chat_template"),
         chat_template_kwargs=dict(cfg.chat_template_kwargs),
+        backend=cfg.backend, vllm_args=cfg.vllm.model_dump(exclude_defaults=True), drafter_version=drafter_version,
+        num_gpus=cfg.num_gpus_per_replica,
     )
 
 
@@ -240,6 +249,220 @@ class SpecrayReplica:
             self.recorder.close(timeout=10)
 
 
+class VersionRefusedError(ValueError):
+    """A vLLM replica cannot serve its drafter version: rejected in the registry (by it or before)."""
+
+
+@serve.deployment
+@serve.ingress()
+class VllmReplica:
+    """One vLLM serving replica (``backend: vllm``): the drafter version it was deployed with, for
+    its whole life. A version it cannot serve (the registry refuses the pull, our checks refuse
+    the export, vLLM refuses the drafter) is rejected in the registry and the constructor raises,
+    so Serve's rolling update keeps the old replicas (``VersionRollout``)."""
+
+    def __init__(self, spec: ReplicaSpec):
+        from specray.serving.vllm_engine import VllmEngine, speculators_drafter
+
+        serve_replica_on_loopback()
+        self.spec = spec
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        if spec.speculation == "auto":
+            log.info("backend vllm drafts engine.num_speculative_tokens every step (engine.speculation=auto chooses "
+                     "round sizes on the specray backend only)")
+        # the tokenizer, template and fingerprints, and the embedding and head the conversion reads
+        target = load_target(spec.target, dtype=spec.dtype, weights="heads", chat_template=spec.chat_template,
+                             chat_template_kwargs=spec.chat_template_kwargs)
+        self.registry = (DrafterRegistry(spec.registry_uri, endpoint_url=spec.registry_endpoint_url)
+                         if spec.registry_uri else None)
+        self.scope = rejection_scope(target.target_fingerprint)
+        version, export = spec.drafter_version, spec.drafter_dir
+        cache = Path(spec.cache_dir)
+        if version is not None:
+            self._refuse_if_rejected(version)
+            try:
+                export = str(self.registry.pull(version, cache))
+            except ValueError as e:  # RejectedVersionError: a marker or files that cannot be pulled safely
+                self._reject(version, f"the registry refused the pull: {e}")
+        elif export is not None:
+            version = 0
+        drafter = None
+        if export is not None:
+            k = spec.num_speculative_tokens
+            out = cache / "speculators" / f"{Path(export).name}-{self.scope}-k{k or 'default'}"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                drafter = speculators_drafter(export, target, out, k=k)
+            except ValueError as e:  # InvalidDrafterError, PeerFormatError: refused before vLLM allocates anything
+                self._reject(version, f"the export cannot be served: {e}")
+        target.model = None  # the heads were for the conversion
+        try:
+            self.engine = VllmEngine(target, drafter, version=version, max_batch=spec.max_batch,
+                                     max_len=spec.max_len, num_speculative_tokens=spec.num_speculative_tokens,
+                                     engine_args=spec.vllm_args).start()
+        except (ValueError, TypeError, NotImplementedError) as e:  # vLLM refuses the drafter or its config
+            if drafter is None:
+                raise
+            self._reject(version, f"vLLM refused the drafter: {type(e).__name__}: {e}")
+        self.metrics = ReplicaMetrics(self.engine, spec.model_name).start()
+        self.recorder = TrafficRecorder(spec.record, self.replica).start() if spec.record.enabled else None
+        self._stop = threading.Event()
+        self._reporter = None
+        if self.registry is not None:
+            self._reporter = threading.Thread(target=self._report_loop, daemon=True, name="specray-registry-report")
+            self._reporter.start()
+
+    def _refuse_if_rejected(self, version: int) -> None:
+        rejected = self.registry.rejected_for(self.scope).get(version)
+        if rejected is not None:
+            raise VersionRefusedError(f"drafter version {version} is rejected ({rejected.scope}: {rejected.reason})")
+
+    def _reject(self, version: int | None, reason: str):
+        """Record the rejection (a local export without a registry is only refused) and raise."""
+        if self.registry is not None and version:
+            self.registry.reject(version, self.scope, reason, by=self.replica)
+        raise VersionRefusedError(f"drafter version {version}: {reason}")
+
+    def _report_loop(self) -> None:
+        from specray.serving.poller import replica_report
+
+        while True:
+            try:
+                self.registry.report(self.replica, replica_report(self.engine.stats(), owner=self.replica,
+                                                                  interval_s=self.spec.poll_interval_s))
+            except Exception as e:  # noqa: BLE001 - the report goes stale, and status says so; retried
+                log.warning("reporting to the registry failed: %s", e)
+            if self._stop.wait(self.spec.poll_interval_s):
+                return
+
+    def __serve_build_asgi_app__(self):
+        return create_app(self.engine, model_name=self.spec.model_name, api_key=self.spec.api_key,
+                          limits=self.spec.limits, replica_id=self.replica, replica_info=self.info,
+                          recorder=self.recorder)
+
+    def info(self) -> dict:
+        return {"backend": "vllm", "registry_error": None, "registry_rejected": {}, "registry_pinned": None}
+
+    def check_health(self) -> None:
+        if not self.engine.alive:
+            raise RuntimeError("the vLLM engine loop thread is not running")
+
+    def __del__(self):
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()
+            if self.registry is not None:
+                try:
+                    self.registry.forget(self.replica)
+                except Exception as e:  # noqa: BLE001 - the report goes stale instead
+                    log.warning("removing the report of %s failed: %s", self.replica, e)
+        for part in ("metrics", "engine"):
+            if hasattr(self, part):
+                getattr(self, part).stop(timeout=5)
+        if getattr(self, "recorder", None) is not None:
+            self.recorder.close(timeout=10)
+
+
+def wanted_version(registry: DrafterRegistry, scope: str, served: int | None,
+                   skip: set[int] = frozenset()) -> tuple[int | None, str | None]:
+    """The version replicas of ``scope`` should serve, as the poller chooses it (serving/poller.py):
+    the pin, else the newest good version, never below ``served`` unless ``served`` is rejected;
+    ``skip``: versions waiting out a backoff. Returns (version, why the pin cannot be followed)."""
+    rejected = registry.rejected_for(scope)
+    versions = registry.versions()
+    try:
+        pinned = registry.pinned()
+    except ValueError as e:
+        return served, str(e)
+    if pinned is not None:
+        if pinned not in versions:
+            return served, f"the pinned version {pinned} is not a complete version of {registry.uri}"
+        if pinned in rejected:
+            return served, f"the pinned version {pinned} is rejected: {rejected[pinned].reason}"
+        return pinned, None
+    good = [v for v in versions if v not in rejected and v not in skip]
+    if served is not None and served not in rejected:
+        good = [v for v in good if v >= served]
+        return max(good, default=served), None
+    return max(good, default=None), None
+
+
+def registry_version(cfg: ServeJobConfig) -> tuple[DrafterRegistry, str, int | None]:
+    """The registry of ``cfg``, its target's rejection scope, and the version its replicas should
+    serve now (``wanted_version``)."""
+    registry = DrafterRegistry(_absolute_uri(cfg.registry.uri), endpoint_url=cfg.registry.endpoint_url)
+    scope = rejection_scope(load_target(cfg.target.name, weights="none").target_fingerprint)
+    version, problem = wanted_version(registry, scope, None)
+    if problem:
+        log.warning("%s", problem)
+    return registry, scope, version
+
+
+class VersionRollout:
+    """Keeps ``backend: vllm`` replicas on the version they should serve (``wanted_version``): every
+    ``interval_s`` it compares that with the deployed one and, when they differ, redeploys the
+    application with it. Serve then rolls the replicas (``max_surge_percent=100``): replicas on the
+    new version start beside the old ones, which are stopped only once the new ones run, after
+    their requests finish. A version whose replicas fail to start is left behind: rejected in the
+    registry when the replica could say why (``VllmReplica``), else retried with backoff
+    (``retry_s`` doubling up to ``max_retry_s``). The replicas of the version served keep serving
+    throughout (Serve keeps them when a rollout fails), and the application is redeployed on that
+    version, which rolls them once more onto fresh replicas of it."""
+
+    def __init__(self, registry: DrafterRegistry, scope: str, version: int | None, deploy, *, interval_s: float,
+                 retry_s: float | None = None, max_retry_s: float = 600.0):
+        self.registry, self.scope, self.version, self.deploy = registry, scope, version, deploy
+        self.interval_s, self.retry_s, self.max_retry_s = interval_s, retry_s or interval_s, max_retry_s
+        self.last_error: str | None = None
+        self._backoff: dict[int, tuple[int, float]] = {}  # version -> (failures, monotonic time of the next try)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def poll(self) -> int | None:
+        """One check: roll to the wanted version if it differs. Returns the version rolled to, or None."""
+        now = time.monotonic()
+        waiting = {v for v, (_, at) in self._backoff.items() if at > now}
+        want, problem = wanted_version(self.registry, self.scope, self.version, waiting)
+        self.last_error = problem
+        if want == self.version:
+            return None
+        log.info("rolling the vLLM replicas from drafter version %s to %s", self.version, want)
+        try:
+            self.deploy(want)
+        except Exception as e:  # noqa: BLE001 - the old replicas still serve: back to them
+            self.last_error = f"version {want} did not start: {e}"
+            if want is not None and want in self.registry.rejected_for(self.scope):
+                self._backoff.pop(want, None)  # rejected for good: never tried again
+            elif want is not None:
+                failures = self._backoff.get(want, (0, 0.0))[0] + 1
+                delay = min(self.retry_s * 2 ** (failures - 1), self.max_retry_s)
+                self._backoff[want] = (failures, time.monotonic() + delay)
+            log.warning("%s; serving version %s", self.last_error, self.version)
+            self.deploy(self.version)
+            return None
+        self._backoff.pop(want, None)
+        self.version = want
+        return want
+
+    def start(self) -> VersionRollout:
+        self._thread = threading.Thread(target=self._run, daemon=True, name="specray-vllm-rollout")
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.poll()
+            except Exception as e:  # noqa: BLE001 - a registry hiccup: the next poll tries again
+                self.last_error = str(e)
+                log.warning("checking the registry for a drafter version failed: %s", e)
+
+
 @dataclass(frozen=True)
 class ServeHandle:
     """A running Serve application. ``base_url`` is what OpenAI clients take."""
@@ -249,6 +472,7 @@ class ServeHandle:
     api_key: str | None
     app_name: str
     started_serve: bool = False  # Serve was not running on the cluster before this application
+    rollout: VersionRollout | None = None  # backend vllm with a registry: what moves replicas to new versions
 
     @property
     def base_url(self) -> str:
@@ -257,6 +481,8 @@ class ServeHandle:
     def stop(self) -> None:
         """Delete the application (its replicas). Serve itself (controller, proxy and its http options)
         is shut down too when this application started it and no other application is left on it."""
+        if self.rollout is not None:
+            self.rollout.stop()
         serve.delete(self.app_name)
         if self.started_serve and not serve.status().applications:
             serve.shutdown()
@@ -283,25 +509,35 @@ def _wait_ready(url: str, timeout_s: float) -> None:
         time.sleep(0.5)
 
 
-def application(cfg: ServeJobConfig, api_key: str | None):
+def application(cfg: ServeJobConfig, api_key: str | None, drafter_version: int | None = None):
     """The bound Serve application (replicas + autoscaling) that ``serve.run`` or a Serve config deploys.
     Without ``api_key`` its replicas answer loopback clients only, wherever Serve's proxy binds; every
     request is bounded by ``cfg.http.limits``. The key is read by ``normalize_api_key`` (surrounding
-    whitespace stripped with a warning, an empty key refused)."""
+    whitespace stripped with a warning, an empty key refused). ``drafter_version``: the registry
+    version ``backend: vllm`` replicas serve (``VersionRollout``; specray replicas poll for theirs)."""
     api_key = normalize_api_key(api_key, "the API key")
     a = cfg.autoscaling
-    return SpecrayReplica.options(
-        name="SpecrayReplica",
+    spec = replica_spec(cfg, api_key, drafter_version)
+    options = dict(
         autoscaling_config={"min_replicas": a.min_replicas, "initial_replicas": a.min_replicas,
                             "max_replicas": a.max_replicas, "target_ongoing_requests": a.target_ongoing_requests,
                             "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": a.downscale_delay_s},
         max_ongoing_requests=cfg.replica.max_ongoing_requests,
-        ray_actor_options={"num_cpus": cfg.replica.num_cpus},
-    ).bind(replica_spec(cfg, api_key))
+        ray_actor_options={"num_cpus": cfg.replica.num_cpus, "num_gpus": cfg.num_gpus_per_replica},
+    )
+    if cfg.backend == "specray":
+        return SpecrayReplica.options(name="SpecrayReplica", **options).bind(spec)
+    # every deploy is a rolling update: new replicas start beside the old ones, which stop once the new ones
+    # run and their requests finished
+    return VllmReplica.options(name="VllmReplica", max_surge_percent=100,
+                               max_constructor_retry_count=MAX_CONSTRUCTOR_RETRIES,
+                               graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S, **options).bind(spec)
 
 
 def start_serving(cfg: ServeJobConfig, *, timeout_s: float = 600.0) -> ServeHandle:
-    """Deploy the replicas described by ``cfg`` and return once ``/health`` answers over HTTP."""
+    """Deploy the replicas described by ``cfg`` and return once ``/health`` answers over HTTP. With
+    ``backend: vllm`` and a registry, the replicas start on the version ``wanted_version`` picks and
+    the handle's ``VersionRollout`` moves them to each new one."""
     source = "http.api_key" if cfg.http.api_key else "$SPECRAY_API_KEY"
     api_key = normalize_api_key(cfg.http.api_key or os.environ.get("SPECRAY_API_KEY") or None, source)
     if not is_loopback(cfg.http.host) and not api_key:
@@ -309,11 +545,19 @@ def start_serving(cfg: ServeJobConfig, *, timeout_s: float = 600.0) -> ServeHand
             f"http.host={cfg.http.host!r} makes the server reachable from other machines; set http.api_key "
             "(or $SPECRAY_API_KEY) so requests need 'Authorization: Bearer <key>', or serve on http.host=127.0.0.1"
         )
-    app = application(cfg, api_key)
+    rollout, version = None, None
+    if cfg.backend == "vllm" and cfg.registry.uri:
+        registry, scope, version = registry_version(cfg)
+
+        def deploy(drafter_version: int | None) -> None:
+            serve.run(application(cfg, api_key, drafter_version), name=cfg.name, route_prefix="/")
+
+        rollout = VersionRollout(registry, scope, version, deploy, interval_s=cfg.registry.poll_interval_s)
+    app = application(cfg, api_key, version)
     connect(cfg.ray.address, cfg.ray.num_cpus)
     host = "127.0.0.1" if cfg.http.host in ("0.0.0.0", "::") else cfg.http.host
     handle = ServeHandle(f"http://{host}:{cfg.http.port}", cfg.served_model_name, api_key, cfg.name,
-                         started_serve=not _serve_is_running())
+                         started_serve=not _serve_is_running(), rollout=rollout)
     serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
     try:
         serve.run(app, name=cfg.name, route_prefix="/")
@@ -321,4 +565,6 @@ def start_serving(cfg: ServeJobConfig, *, timeout_s: float = 600.0) -> ServeHand
     except BaseException:
         handle.stop()  # nothing of a failed start stays deployed
         raise
+    if rollout is not None:
+        rollout.start()
     return handle

@@ -497,6 +497,78 @@ class ServeEngineSection(Section):
                           "when its first drafter loads)")
 
 
+class VllmSection(Section):
+    """vLLM's engine arguments for ``backend: vllm`` (serving/vllm_engine.py), passed to its
+    ``EngineArgs`` as named. specray sets the rest itself: the model (the target), the tokenizer,
+    ``speculative_config`` (the registry version's speculators export and
+    ``engine.num_speculative_tokens``), ``max_num_seqs`` (``engine.max_batch``) and, unless given
+    here, ``max_model_len`` (``engine.max_len``)."""
+
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs the target's layers are split across (one node)")
+    pipeline_parallel_size: int = Field(1, ge=1, description="pipeline stages the target is split into (one node)")
+    max_model_len: int | None = Field(None, gt=0, description="context length (None = engine.max_len)")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="fraction of each GPU vLLM may use")
+    max_num_batched_tokens: int | None = Field(None, gt=0, description="tokens per engine step (None = vLLM's default)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="the target's compute dtype (auto = the checkpoint's, float32 on CPU)")
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16"] = Field("auto")
+    enforce_eager: bool = Field(False, description="no CUDA graphs (slower; less memory, faster start)")
+    enable_prefix_caching: bool | None = Field(None, description="None = vLLM's default")
+    quantization: str | None = Field(None, description="a vLLM quantization method for the target (None = none)")
+    kv_cache_memory_gib: float | None = Field(
+        None, gt=0, description="KV cache size per replica (CPU: VLLM_CPU_KVCACHE_SPACE; GPU: kv_cache_memory_bytes; "
+                                "None = vLLM's default)")
+    seed: int = Field(0, ge=0, description="vLLM's seed for requests that give none")
+
+    @property
+    def gpus(self) -> int:
+        """GPUs one engine spans."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+BACKENDS = ("specray", "vllm")
+
+
+class ServeBackendFields(BaseModel):
+    """What the serving backend and its GPUs are: shared by ``specray serve``'s config (top level)
+    and the pipeline's ``serve`` section."""
+
+    backend: Literal["specray", "vllm"] = Field(
+        "specray", description="specray: our engine (CPU-first, every algorithm's worker, chooser, trees); vllm: a "
+                               "vLLM engine per replica serving the registry version's speculators export")
+    vllm: VllmSection = Field(default_factory=VllmSection, description="vLLM engine arguments (backend vllm)")
+    num_gpus_per_replica: float = Field(
+        0.0, ge=0, description="GPUs Ray grants each replica (backend vllm: tensor_parallel_size x "
+                               "pipeline_parallel_size whole GPUs, or 0 for vLLM-CPU)")
+
+    def check_backend(self, prefix: str, engine: ServeEngineSection) -> None:
+        """Refuse what the backend does not do, naming the field (``prefix`` is ``serve.`` in a pipeline)."""
+        if self.backend == "specray":
+            changed = sorted(self.vllm.model_dump(exclude_defaults=True))
+            if changed:
+                raise ValueError(f"{prefix}vllm.{changed[0]} is a vLLM engine argument, "
+                                 f"but {prefix}backend=specray: set {prefix}backend=vllm or remove {prefix}vllm")
+            return
+        refused = [("tree", engine.tree, "vLLM verifies chains: set engine.tree=false"),
+                   ("cost_table", engine.cost_table is not None, "vLLM has no chooser to read it: remove it"),
+                   ("max_speculative_batch", engine.max_speculative_batch is not None,
+                    "vLLM drafts for every batch: remove it"),
+                   ("num_threads", engine.num_threads is not None,
+                    "vLLM-CPU sets its own threads (VLLM_CPU_OMP_THREADS_BIND): remove it")]
+        for name, bad, fix in refused:
+            if bad:
+                raise ValueError(f"{prefix}engine.{name} does not apply to {prefix}backend=vllm; {fix.replace('engine.', prefix + 'engine.')}")
+        gpus = self.num_gpus_per_replica
+        if gpus and gpus != self.vllm.gpus:
+            raise ValueError(
+                f"{prefix}num_gpus_per_replica={gpus:g}, but one vLLM engine spans {prefix}vllm.tensor_parallel_size "
+                f"x pipeline_parallel_size = {self.vllm.gpus} GPUs: set {prefix}num_gpus_per_replica={self.vllm.gpus} "
+                f"(or 0 for vLLM-CPU)")
+        if not gpus and self.vllm.gpus > 1:
+            raise ValueError(f"{prefix}vllm.tensor_parallel_size x pipeline_parallel_size = {self.vllm.gpus} needs "
+                             f"GPUs: set {prefix}num_gpus_per_replica={self.vllm.gpus}")
+
+
 class RegistrySection(Section):
     uri: str | None = Field(
         None, description="DrafterRegistry root: a path, file://… or s3://bucket/prefix (None = no hot-load)",
@@ -560,7 +632,7 @@ class ServeOutputSection(Section):
     run_dir: str | None = Field(None, description="pulled drafter versions go under it (None = runs/<name>)")
 
 
-class ServeJobConfig(JobConfig):
+class ServeJobConfig(JobConfig, ServeBackendFields):
     """``specray serve``: OpenAI-compatible Ray Serve replicas that hot-load drafters from a registry."""
 
     name: RunName = Field("serve", description="Ray Serve application name; the default run dir is runs/<name>")
@@ -580,6 +652,11 @@ class ServeJobConfig(JobConfig):
 
     _known_template = field_validator("chat_template")(classmethod(lambda cls, value: check_chat_template(value)))
     _template_values = field_validator("chat_template_kwargs")(classmethod(lambda cls, value: check_template_kwargs(value)))
+
+    @model_validator(mode="after")
+    def _backend_applies(self) -> "ServeJobConfig":
+        self.check_backend("", self.engine)
+        return self
 
     @property
     def served_model_name(self) -> str:
@@ -605,7 +682,7 @@ class PipelineCaptureSection(CaptureConfig):
         return value
 
 
-class PipelineServeSection(Section):
+class PipelineServeSection(Section, ServeBackendFields):
     enabled: bool = Field(True, description="publish the export and serve it through Ray Serve (OpenAI API)")
     keep_running: bool = Field(False, description="keep serving after the report until Ctrl-C (False = stop the app)")
     registry: str | None = Field(None, description="drafter registry: a path or s3://… (None = <run_dir>/registry)")
@@ -615,6 +692,11 @@ class PipelineServeSection(Section):
     replica: ReplicaSection = ReplicaSection()
     http: HttpSection = HttpSection()
     record: RecordSettings = _record_field()
+
+    @model_validator(mode="after")
+    def _backend_applies(self) -> "PipelineServeSection":
+        self.check_backend("serve.", self.engine)
+        return self
 
 
 class ClosedLoopLoadSection(Section):
@@ -788,7 +870,8 @@ class PipelineConfig(JobConfig):
     def serve_job(self) -> ServeJobConfig:
         s = self.serve
         return ServeJobConfig(
-            name=self.name, target=self.target, engine=s.engine,
+            name=self.name, target=self.target, engine=s.engine, backend=s.backend, vllm=s.vllm,
+            num_gpus_per_replica=s.num_gpus_per_replica,
             registry=RegistrySection(uri=self.registry_uri, endpoint_url=self.store.endpoint_url, poll_interval_s=1.0),
             autoscaling=s.autoscaling, replica=s.replica, http=s.http, ray=self.ray,
             record=s.record.model_copy(update={"endpoint_url": s.record.endpoint_url or self.store.endpoint_url}),

@@ -71,6 +71,15 @@ def stale_after_s(report: dict) -> float:
     return 3 * (interval if isinstance(interval, (int, float)) and interval > 0 else 10.0) + 10.0
 
 
+def replica_report(stats: dict, *, owner: str, interval_s: float, pinned: int | None = None, loading: int | None = None,
+                   last_error: str | None = None, rejected: list[int] = ()) -> dict:
+    """A replica's report to the registry (what ``specray registry status`` shows) from its engine's stats."""
+    return {"owner": owner, "host": socket.gethostname(), "pid": os.getpid(), "interval_s": interval_s,
+            "version": stats.get("active_version"), "algorithm": stats.get("algorithm"), "tau": stats.get("tau"),
+            "versions": [{k: v.get(k) for k in ("version", "tau", "rounds")} for v in stats.get("versions", [])],
+            "pinned": pinned, "loading": loading, "last_error": last_error, "rejected": list(rejected)}
+
+
 @dataclass
 class _Backoff:
     failures: int
@@ -241,13 +250,8 @@ class RegistryPoller:
 
     def report(self) -> None:
         """Write this replica's report (module docstring) to the registry."""
-        stats = self.engine.stats()
-        record = {"owner": self.owner, "host": socket.gethostname(), "pid": os.getpid(),
-                  "interval_s": self.interval_s, "version": stats.get("active_version"),
-                  "algorithm": stats.get("algorithm"), "tau": stats.get("tau"),
-                  "versions": [{k: v.get(k) for k in ("version", "tau", "rounds")} for v in stats.get("versions", [])],
-                  "pinned": self.pinned, "loading": self.loading, "last_error": self.last_error,
-                  "rejected": sorted(self.rejected)}
+        record = replica_report(self.engine.stats(), owner=self.owner, interval_s=self.interval_s, pinned=self.pinned,
+                                loading=self.loading, last_error=self.last_error, rejected=sorted(self.rejected))
         with self._lock:
             self.registry.report(self.replica_id, record)
 

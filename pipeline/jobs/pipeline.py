@@ -599,9 +599,22 @@ def _serve(cfg: PipelineConfig, drafter_dir: str):
     if wrong:
         handle.stop()
         raise RuntimeError(f"replicas answered with {wrong[0]['fingerprint']}, not the published drafter v{version}")
+    metrics = _replica_metrics(handle)
     summary = {"url": handle.base_url, "model": handle.model, "registry": cfg.registry_uri, "version": version,
-               "smoke_requests": len(served), "sample": served[0]["text"]}
+               "backend": cfg.serve.backend, "smoke_requests": len(served), "sample": served[0]["text"],
+               "tau": metrics.get("tau"), "acceptance_by_position": metrics.get("acceptance_by_position")}
     return summary, handle
+
+
+def _replica_metrics(handle) -> dict:
+    """One replica's /metrics (its live tau and acceptance over the smoke requests)."""
+    import urllib.request
+
+    request = urllib.request.Request(f"{handle.url}/metrics")
+    if handle.api_key:
+        request.add_header("Authorization", f"Bearer {handle.api_key}")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
 
 
 def _wait_for_version(handle, version: int, timeout_s: float) -> None:

@@ -15,7 +15,9 @@
 Serve owns the HTTP proxy there (its ``http_options``), so the manifest's ``http.host/port``
 are not used; ``http.api_key`` (or ``$SPECRAY_API_KEY``) protects every route but /health.
 Without a key the replicas answer loopback clients only, since the proxy may bind any address
-(a RayService binds 0.0.0.0): set the key to serve anyone else.
+(a RayService binds 0.0.0.0): set the key to serve anyone else. With ``backend: vllm`` the
+replicas serve the registry version that is wanted when the application is built, and stay on it
+(hot-load by rolling update needs ``specray serve``'s driver, docs/serving.md).
 """
 
 from __future__ import annotations
@@ -50,4 +52,9 @@ def build_app(args: dict):
     api_key = cfg.http.api_key or os.environ.get("SPECRAY_API_KEY") or None
     if api_key is None:
         log.warning("no API key (http.api_key or $SPECRAY_API_KEY): the replicas answer loopback clients only")
-    return application(cfg, api_key)
+    version = None
+    if cfg.backend == "vllm" and cfg.registry.uri:  # vLLM replicas serve the version they are built with
+        from specray.actors.serve import registry_version
+
+        version = registry_version(cfg)[2]
+    return application(cfg, api_key, version)

@@ -11,12 +11,9 @@ from pathlib import Path
 
 import openai
 import pytest
-import torch
 from ports import free_port
+from serve_support import random_dflash_export
 
-from specray.capture.contract import build_contract
-from specray.drafters.dflash import DFlashConfig, DFlashDrafter
-from specray.drafters.format import save_drafter
 from specray.pipeline.config import ServeJobConfig, load_config
 from specray.serving.registry import DrafterRegistry
 
@@ -24,19 +21,6 @@ pytestmark = pytest.mark.ray
 
 KEY = "sk-serve-test"
 GREEDY = {"temperature": 0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
-
-
-def _export(target, out, seed: int):
-    """An untrained DFlash drafter for the debug target, exported like a trained one."""
-    contract = build_contract("dflash", target_fingerprint=target.target_fingerprint,
-                              template_fingerprint=target.template_fingerprint, num_target_layers=target.num_layers,
-                              hidden_size=target.hidden_size)
-    cfg = DFlashConfig(hidden_size=target.hidden_size, vocab_size=target.vocab_size,
-                       target_layer_ids=contract.layer_ids, mask_token_id=0, num_layers=1, num_heads=4,
-                       num_kv_heads=2, head_dim=16, intermediate_size=128, block_size=4)
-    torch.manual_seed(seed)
-    model = DFlashDrafter(cfg, embed_tokens=target.model.model.embed_tokens, lm_head=target.model.lm_head)
-    return save_drafter(out, model, contract=json.loads(contract.to_json()), provenance={"run": f"random-{seed}"})
 
 
 def _get(url: str) -> dict:
@@ -78,7 +62,7 @@ def served(ray_cluster, debug_target, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("serve")
     registry = DrafterRegistry(str(root / "registry"))
-    assert registry.publish(_export(debug_target, root / "export-1", seed=0)) == 1
+    assert registry.publish(random_dflash_export(debug_target, root / "export-1", seed=0)) == 1
     cfg = load_config(ServeJobConfig, "manifests/serve.yaml", [
         "name=specray-test", "target.name=debug", f"registry.uri={root / 'registry'}", "registry.poll_interval_s=0.5",
         f"http.port={free_port()}", f"http.api_key={KEY}", "engine.max_len=256", "engine.num_threads=1",
@@ -142,7 +126,7 @@ def test_concurrent_clients_and_hot_load_without_failures(served, debug_target):
     threads = _clients(handle, client, stop, results, errors)
     try:
         _wait_for(lambda: len(results) >= 8, 120, "a first round of answers")
-        assert registry.publish(_export(debug_target, root / "export-2", seed=1)) == 2  # while requests run
+        assert registry.publish(random_dflash_export(debug_target, root / "export-2", seed=1)) == 2  # while requests run
         _wait_for(lambda: _get(f"{handle.url}/metrics")["active_version"] == 2, 120, "drafter v2 to be active")
         seen = len(results)
         _wait_for(lambda: len(results) >= seen + 8, 120, "answers from v2")

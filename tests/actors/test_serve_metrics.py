@@ -2,15 +2,11 @@
 version tags, counters advanced by what happened since the last update (no Ray: a recording
 stand-in for ``ray.serve.metrics``); the Prometheus text of /metrics carries the replica label."""
 
-import json
 from types import SimpleNamespace
 
-import torch
+from serve_support import random_dflash_export
 
 from specray.actors.serve import ReplicaMetrics
-from specray.capture.contract import build_contract
-from specray.drafters.dflash import DFlashConfig, DFlashDrafter
-from specray.drafters.format import save_drafter
 from specray.serving.engine import Engine
 from specray.serving.openai_api import _prometheus
 from specray.serving.sampling import SamplingParams
@@ -39,18 +35,6 @@ def _value(metric, version):
     return metric.values.get((("model", "debug"), ("version", version)))
 
 
-def _export(target, out):
-    contract = build_contract("dflash", target_fingerprint=target.target_fingerprint,
-                              template_fingerprint=target.template_fingerprint, num_target_layers=target.num_layers,
-                              hidden_size=target.hidden_size)
-    cfg = DFlashConfig(hidden_size=target.hidden_size, vocab_size=target.vocab_size, target_layer_ids=contract.layer_ids,
-                       mask_token_id=0, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
-                       block_size=4)
-    torch.manual_seed(0)
-    model = DFlashDrafter(cfg, embed_tokens=target.model.model.embed_tokens, lm_head=target.model.lm_head)
-    return save_drafter(out, model, contract=json.loads(contract.to_json()), provenance={"run": "random"})
-
-
 def test_engine_stats_become_tagged_serve_metrics(debug_target, tmp_path):
     engine = Engine(debug_target, None, max_batch=2, max_len=128, speculation="static")
     metrics = ReplicaMetrics(engine, "debug", metrics=FAKE)
@@ -61,7 +45,7 @@ def test_engine_stats_become_tagged_serve_metrics(debug_target, tmp_path):
     metrics.update()  # nothing new: the counters stay
     assert _value(metrics.counters["tokens_generated"], "ar") == 8
 
-    assert engine.load_drafter(str(_export(debug_target, tmp_path / "export")), 7).result(timeout=60) == 7
+    assert engine.load_drafter(str(random_dflash_export(debug_target, tmp_path / "export")), 7).result(timeout=60) == 7
     engine.step()  # activates it: the next request runs on it
     engine.generate(["Hi"], SamplingParams(max_tokens=5, ignore_eos=True))
     metrics.update()
