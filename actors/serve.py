@@ -341,7 +341,15 @@ class VllmReplica:
                           recorder=self.recorder)
 
     def info(self) -> dict:
-        return {"backend": "vllm", "registry_error": None, "registry_rejected": {}, "registry_pinned": None}
+        """Shown by /metrics: the versions rejected in the registry for this target, and the pin (what
+        ``VersionRollout`` follows; this replica serves the version it started with)."""
+        if self.registry is None:
+            return {"registry_error": None, "registry_rejected": {}, "registry_pinned": None}
+        try:
+            rejected = {v: f"{r.scope}: {r.reason}" for v, r in self.registry.rejected_for(self.scope).items()}
+            return {"registry_error": None, "registry_rejected": rejected, "registry_pinned": self.registry.pinned()}
+        except Exception as e:  # noqa: BLE001 - a registry outage must not fail /metrics
+            return {"registry_error": str(e), "registry_rejected": {}, "registry_pinned": None}
 
     def check_health(self) -> None:
         if not self.engine.alive:

@@ -24,8 +24,11 @@ Acceptance comes from vLLM's own counters (``vllm:spec_decode_num_drafts``,
 acceptance at draft position j is the rounds that accepted a draft there over the rounds, tau is
 1 + accepted drafts per round, as our engine reports them.
 
-What vLLM does that ours does not: it drafts ``num_speculative_tokens`` every step (no cost
-chooser, no trees) and it does not check that the target's logits are finite.
+What differs from our engine: vLLM drafts ``num_speculative_tokens`` every step (no cost
+chooser, no trees) and does not check that the target's logits are finite. vLLM-CPU's speculative
+sampling (temperature > 0) emits tokens the target would not (seen with our DFlash and EAGLE-3
+drafters and with vLLM's own ngram proposer; its autoregressive sampling is fine), so a vLLM-CPU
+engine with a drafter refuses sampled requests (``CPU_SAMPLING_REFUSED``, a 400).
 """
 
 from __future__ import annotations
@@ -40,10 +43,17 @@ from pathlib import Path
 
 from specray.capture.target import Target
 from specray.serving.engine import THROUGHPUT_WINDOW_S, QueueFullError
-from specray.serving.requests import GenerationOutput, RequestHandle, TokenLogprob, check_prompt, encode_prompt
+from specray.serving.requests import (GenerationOutput, RequestHandle, TokenLogprob, check_prompt, cut_at_stop,
+                                      encode_prompt)
 from specray.serving.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+
+CPU_SAMPLING_REFUSED = (
+    "temperature={temperature:g}: vLLM-CPU's speculative sampling does not keep the target's distribution (its "
+    "rejection sampler emits tokens the target would not, with any drafter, ngram included), so this vLLM-CPU "
+    "replica serves greedy requests only; send temperature=0, or serve with backend=specray")
+"""Why a vLLM-CPU replica with a drafter refuses sampled requests (docs/serving.md, vLLM replicas)."""
 
 RESERVED_ARGS = ("model", "tokenizer", "speculative_config", "max_num_seqs", "skip_tokenizer_init",
                  "disable_log_stats")
@@ -138,6 +148,7 @@ class VllmEngine:
         self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
         self.method = spec.method if spec is not None else "ar"
         self.verify_rows = self.num_speculative_tokens + 1
+        self.cpu = _cpu_build()
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._new: deque[tuple[str, list[int], object]] = deque()  # submitted, not yet added to vLLM
@@ -210,35 +221,36 @@ class VllmEngine:
         live = self._live.get(out.request_id)
         if live is None:  # aborted meanwhile
             return 0
-        completion = out.outputs[0]
+        completion, params = out.outputs[0], live.handle.params
         tokens = list(completion.token_ids)
+        if out.finished and completion.finish_reason == "stop" and tokens and tokens[-1] in self._stop_ids(params):
+            tokens.pop()  # as our engine: the stop token ends the request and is not part of it
         new = tokens[live.sent:]
-        top = live.handle.params.logprobs
-        logprobs = None if top is None else self._logprobs(completion.logprobs, tokens, live.sent, top)
-        if out.finished:
-            reason = completion.finish_reason if completion.finish_reason in ("stop", "length", "abort") else "stop"
-            self._end(out.request_id, tokens=new, logprobs=logprobs, text=completion.text, finish_reason=reason,
-                      all_tokens=tokens)
+        logprobs = None if params.logprobs is None else self._logprobs(completion.logprobs, tokens, live.sent,
+                                                                        params.logprobs)
+        if out.finished and completion.finish_reason not in ("stop", "length", "abort"):
+            self._end(out.request_id, error=RuntimeError(f"vLLM ended the request: {completion.finish_reason}"))
+        elif out.finished:
+            self._end(out.request_id, new, logprobs, finish_reason=completion.finish_reason)
         elif new:
             live.handle._push(new, logprobs=logprobs)
             live.sent = len(tokens)
         return len(new)
 
     @staticmethod
-    def _logprobs(entries, tokens: list[int], start: int, top: int) -> list[TokenLogprob] | None:
+    def _logprobs(entries, tokens: list[int], start: int, top: int) -> list[TokenLogprob]:
         """vLLM's per-token logprob dicts (the chosen token and the ``top`` most likely, from the raw
         logits' log-softmax) as ours."""
-        if entries is None:
-            return None
         result = []
-        for token, entry in zip(tokens[start:], entries[start:]):
+        for token, entry in zip(tokens[start:], (entries or [])[start:]):
             ranked = sorted(entry.items(), key=lambda item: item[1].rank if item[1].rank is not None else 1 << 62)
             result.append(TokenLogprob(token, entry[token].logprob,
                                        tuple((i, lp.logprob) for i, lp in ranked[:top])))
         return result
 
-    def _end(self, request_id: str, *, tokens: list[int] = (), logprobs=None, text: str | None = None,
-             finish_reason: str | None = None, error: BaseException | None = None, all_tokens=None) -> None:
+    def _end(self, request_id: str, tokens: list[int] = (), logprobs: list[TokenLogprob] | None = None, *,
+             finish_reason: str | None = None, error: BaseException | None = None) -> None:
+        """Finish a request: its last ``tokens`` and the output (the text as our engine cuts it), or ``error``."""
         with self._lock:
             live = self._live.pop(request_id, None)
             if live is None:
@@ -253,12 +265,11 @@ class VllmEngine:
         if error is not None:
             handle._push([], error=error)
             return
-        token_ids = list(all_tokens) if all_tokens is not None else handle._tokens + list(tokens)
-        output = GenerationOutput(handle.prompt_ids, token_ids, text if text is not None else self.decode(token_ids),
+        token_ids = handle._tokens + list(tokens)
+        output = GenerationOutput(handle.prompt_ids, token_ids, cut_at_stop(self.decode(token_ids), handle.params.stop),
                                   finish_reason, rounds=0, seconds=time.perf_counter() - live.start,
                                   drafter_version=self.version,
-                                  logprobs=None if handle.params.logprobs is None else
-                                  (handle._logprobs or []) + (logprobs or []))
+                                  logprobs=None if handle._logprobs is None else handle._logprobs + (logprobs or []))
         handle._push(list(tokens), output=output, logprobs=logprobs)
 
     def _fail_all(self, error: BaseException) -> None:
@@ -280,24 +291,31 @@ class VllmEngine:
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=True)["input_ids"]
 
+    def _stop_ids(self, params: SamplingParams) -> set[int]:
+        ids = set(params.stop_token_ids)
+        if not params.ignore_eos and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
     def vllm_params(self, params: SamplingParams):
         """Our sampling parameters as vLLM's: the same stops (the target's EOS unless ignored),
         cumulative outputs, the raw log-probabilities of the chosen token and ``logprobs`` others."""
         from vllm import SamplingParams as VllmParams
         from vllm.sampling_params import RequestOutputKind
 
-        stop_ids = list(params.stop_token_ids)
-        if not params.ignore_eos and self.tokenizer.eos_token_id is not None:
-            stop_ids.append(self.tokenizer.eos_token_id)
+        stop_ids = sorted(self._stop_ids(params))
         return VllmParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
                           top_k=params.top_k if params.top_k > 0 else -1, seed=params.seed, stop=list(params.stop),
                           stop_token_ids=stop_ids, ignore_eos=True, logprobs=params.logprobs,
                           skip_special_tokens=False, output_kind=RequestOutputKind.CUMULATIVE)
 
     def submit(self, prompt, params: SamplingParams | None = None, *, request_id: str | None = None) -> RequestHandle:
-        """Queue one request (thread-safe): ValueError for a bad prompt, ``QueueFullError`` when
-        ``max_waiting`` requests already wait for a slot."""
+        """Queue one request (thread-safe): ValueError for a bad prompt or a sampled request that
+        vLLM-CPU cannot verify losslessly, ``QueueFullError`` when ``max_waiting`` requests already
+        wait for a slot."""
         ids, params = self.encode(prompt), params or SamplingParams()
+        if not params.greedy and self.num_speculative_tokens and self.cpu:
+            raise ValueError(CPU_SAMPLING_REFUSED.format(temperature=params.temperature))
         check_prompt(ids, params, max_len=self.max_len, vocab_size=self.target.vocab_size,
                      verify_rows=self.verify_rows)
         vparams = self.vllm_params(params)
@@ -320,13 +338,6 @@ class VllmEngine:
             if request_id in self._live:
                 self._aborts.append(request_id)
                 self._work.notify_all()
-
-    def generate(self, prompts: list, params: SamplingParams | None = None) -> list[GenerationOutput]:
-        """Run ``prompts`` to the end on the caller's thread (no loop thread running)."""
-        handles = [self.submit(p, params) for p in prompts]
-        while not all(h.done for h in handles):
-            self.step()
-        return [h.result() for h in handles]
 
     # -- stats ----------------------------------------------------------------------------
 

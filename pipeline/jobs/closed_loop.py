@@ -113,7 +113,7 @@ def run_closed_loop(cfg: PipelineConfig, *, progress: bool = True, resume: bool 
     handle = start_serving(serve_cfg)
     load = None
     try:
-        replicas = _Replicas(handle, cfg.serve.autoscaling.min_replicas)
+        replicas = _Replicas(handle, cfg.serve.autoscaling.min_replicas, registry)
         replicas.wait_serving(registry.latest(), cfg.closed_loop.hot_load_timeout_s)
         load = _LoadGenerator(handle, _prompts(cfg), cfg.closed_loop.load).start()
         loop = _Loop(cfg, serve_cfg.record, registry, state, replicas, load, progress)
@@ -351,8 +351,8 @@ class _Replicas:
     """Each replica's latest ``/metrics``, read through the Serve proxy (which spreads reads over the
     replicas; the response names the replica that answered)."""
 
-    def __init__(self, handle, count: int):
-        self.url, self.count = handle.url, count
+    def __init__(self, handle, count: int, registry):
+        self.url, self.count, self.registry = handle.url, count, registry
         self.headers = {"Authorization": f"Bearer {handle.api_key}"} if handle.api_key else {}
         self.latest: dict[str, dict] = {}  # replica id -> its /metrics
         self.read_at: dict[str, float] = {}
@@ -370,13 +370,16 @@ class _Replicas:
         self.read_at[metrics["replica"]] = time.monotonic()
 
     def wait_serving(self, version: int, timeout_s: float) -> None:
-        """Until ``count`` replicas, read since now, serve ``version`` (a rejected version fails at once)."""
+        """Until ``count`` replicas, read since now, serve ``version`` (a version rejected by a replica or in
+        the registry fails at once)."""
         since, deadline = time.monotonic(), time.monotonic() + timeout_s
         while True:
             self.read()
             fresh = {rid: m for rid, m in self.latest.items() if self.read_at[rid] >= since}
             rejected = [(rid, r["error"]) for rid, m in fresh.items() for r in m["rejected_versions"]
                         if r["version"] == version]
+            # a vLLM replica that cannot serve a version never answers: it rejects it in the registry
+            rejected += [(r.by, r.reason) for r in self.registry.rejections().get(version, [])]
             if rejected:
                 raise RuntimeError(f"replica {rejected[0][0]} rejected drafter v{version}: {rejected[0][1]}")
             if sum(m["active_version"] == version for m in fresh.values()) >= self.count:

@@ -584,11 +584,11 @@ def _serve(cfg: PipelineConfig, drafter_dir: str):
         for i in range(cfg.serve.smoke_requests):
             question = f"In one sentence, what is {['a CPU', 'a GPU', 'Ray', 'speculative decoding'][i % 4]}?"
             if i % 2 == 0:
-                response = client.chat.completions.create(model=handle.model, max_tokens=16,
+                response = client.chat.completions.create(model=handle.model, max_tokens=16, temperature=0,
                                                           messages=[{"role": "user", "content": question}])
                 text = response.choices[0].message.content
             else:
-                response = client.completions.create(model=handle.model, prompt=question, max_tokens=16)
+                response = client.completions.create(model=handle.model, prompt=question, max_tokens=16, temperature=0)
                 text = response.choices[0].text
             served.append({"fingerprint": response.system_fingerprint, "tokens": response.usage.completion_tokens,
                            "text": text})

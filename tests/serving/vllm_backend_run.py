@@ -16,7 +16,7 @@ version 2 under load), "corrupt": export (published as version 3 under load), "p
 5. ``autoscaling``: a second application with 1-2 replicas under 6 clients: the replicas seen
    running while loaded, and after.
 
-RESULT holds what each phase saw; the test asserts on it.
+RESULT holds what each phase saw (and ``error``, the one that failed); the test asserts on it.
 """
 
 import glob
@@ -92,14 +92,23 @@ def _greedy(client, model: str, prompts, max_tokens: int) -> list[str]:
 
 
 def main(request_path: str, result_path: str) -> None:
-    request = json.load(open(request_path))
+    result = {}
+    try:
+        run(json.load(open(request_path)), result)
+    except BaseException as e:  # the phases done are still reported; the test names the one that failed
+        result["error"] = f"{type(e).__name__}: {e}"
+        raise
+    finally:
+        json.dump(result, open(result_path, "w"))
+
+
+def run(request: dict, result: dict) -> None:
     root, k, max_tokens, prompts = request["root"], request["k"], request["max_tokens"], request["prompts"]
     ray.init(address="local", num_cpus=6, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
              runtime_env={"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}})
-    result = {}
     base = ["backend=vllm", f"target.name={TARGET}", "registry.poll_interval_s=1", "engine.max_batch=4",
             "engine.max_len=1024", f"engine.num_speculative_tokens={k}", "engine.speculation=static",
-            "vllm.dtype=float32", "vllm.kv_cache_memory_gib=1", "replica.num_cpus=1"]
+            "vllm.dtype=float32", "vllm.kv_cache_memory_gib=1", "vllm.enforce_eager=true", "replica.num_cpus=1"]
     registry = DrafterRegistry(request["registry"])
     scope = rejection_scope(load_target(TARGET, weights="none").target_fingerprint)
     cfg = load_config(ServeJobConfig, None, base + [
@@ -113,8 +122,13 @@ def main(request_path: str, result_path: str) -> None:
                             "prometheus": urllib.request.urlopen(f"{handle.url}/metrics?format=prometheus",
                                                                  timeout=30).read().decode()}
         stream = client.chat.completions.create(model=handle.model, messages=[{"role": "user", "content": "Hi"}],
-                                                max_tokens=8, stream=True)
-        result["stream"] = [c.choices[0].delta.content for c in stream if c.choices]
+                                                max_tokens=8, stream=True, temperature=0)
+        result["stream"] = [c.choices[0].delta.content or "" for c in stream if c.choices]
+        try:
+            client.chat.completions.create(model=handle.model, messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=8, temperature=0.7)
+        except openai.BadRequestError as e:
+            result["sampled"] = {"status": e.status_code, "message": e.message}
 
         with Load(client, handle.model, 2) as load:
             _wait(lambda: len(load.fingerprints) >= 2, 300, "answers under load")
@@ -166,7 +180,6 @@ def main(request_path: str, result_path: str) -> None:
         handle.stop()
         serve.shutdown()
         ray.shutdown()
-    json.dump(result, open(result_path, "w"))
 
 
 if __name__ == "__main__":
