@@ -496,6 +496,13 @@ class ServeHandle:
             serve.shutdown()
 
 
+def _deployment_messages(app_name: str, limit: int = 4000) -> str:
+    """What Serve says about the deployments of ``app_name`` (a failed replica's traceback), the end kept."""
+    app = serve.status().applications.get(app_name)
+    text = "\n".join(f"{name}: {d.message}" for name, d in (app.deployments if app else {}).items() if d.message)
+    return text[-limit:]
+
+
 def _serve_is_running() -> bool:
     return any(a["name"] == "SERVE_CONTROLLER_ACTOR" for a in ray.util.list_named_actors(all_namespaces=True))
 
@@ -558,7 +565,10 @@ def start_serving(cfg: ServeJobConfig, *, timeout_s: float = 600.0) -> ServeHand
         registry, scope, version = registry_version(cfg)
 
         def deploy(drafter_version: int | None) -> None:
-            serve.run(application(cfg, api_key, drafter_version), name=cfg.name, route_prefix="/")
+            try:
+                serve.run(application(cfg, api_key, drafter_version), name=cfg.name, route_prefix="/")
+            except RuntimeError as e:
+                raise RuntimeError(f"{e}\n{_deployment_messages(cfg.name, limit=1000)}") from None
 
         rollout = VersionRollout(registry, scope, version, deploy, interval_s=cfg.registry.poll_interval_s)
     app = application(cfg, api_key, version)
@@ -568,7 +578,10 @@ def start_serving(cfg: ServeJobConfig, *, timeout_s: float = 600.0) -> ServeHand
                          started_serve=not _serve_is_running(), rollout=rollout)
     serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
     try:
-        serve.run(app, name=cfg.name, route_prefix="/")
+        try:
+            serve.run(app, name=cfg.name, route_prefix="/")
+        except RuntimeError as e:  # Serve's own message names no cause: the replicas' says why they did not start
+            raise RuntimeError(f"{e}\n{_deployment_messages(cfg.name)}") from None
         _wait_ready(handle.url, timeout_s)
     except BaseException:
         handle.stop()  # nothing of a failed start stays deployed

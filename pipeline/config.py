@@ -516,8 +516,9 @@ class VllmSection(Section):
     enable_prefix_caching: bool | None = Field(None, description="None = vLLM's default")
     quantization: str | None = Field(None, description="a vLLM quantization method for the target (None = none)")
     kv_cache_memory_gib: float | None = Field(
-        None, gt=0, description="KV cache size per replica (CPU: VLLM_CPU_KVCACHE_SPACE; GPU: kv_cache_memory_bytes; "
-                                "None = vLLM's default)")
+        None, gt=0, description="KV cache size per replica (CPU: VLLM_CPU_KVCACHE_SPACE, default what engine.max_batch "
+                                "requests of engine.max_len tokens need; GPU: kv_cache_memory_bytes, default "
+                                "vLLM's)")
     seed: int = Field(0, ge=0, description="vLLM's seed for requests that give none")
 
     @property

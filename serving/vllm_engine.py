@@ -34,6 +34,7 @@ engine with a drafter refuses sampled requests (``CPU_SAMPLING_REFUSED``, a 400)
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -90,11 +91,10 @@ def engine_arguments(target: Target, drafter: Path | None, *, max_batch: int, ma
         raise ValueError(f"vllm.{clash[0]} is set by specray (the target, the registry's drafter, engine.max_batch); "
                          "remove it")
     kv_gib = args.pop("kv_cache_memory_gib", None)
-    if kv_gib is not None:
-        if _cpu_build():
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(kv_gib)))
-        else:
-            args["kv_cache_memory_bytes"] = int(kv_gib * 2**30)
+    if _cpu_build():  # vLLM-CPU would otherwise reserve gpu_memory_utilization (0.92) of the node's RAM
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(math.ceil(kv_gib or cpu_kv_cache_gib(target, max_batch, max_len)))
+    elif kv_gib is not None:
+        args["kv_cache_memory_bytes"] = int(kv_gib * 2**30)
     args.setdefault("max_model_len", max_len)
     args |= {"max_num_seqs": max_batch, "disable_log_stats": False}
     if drafter is None:
@@ -105,6 +105,16 @@ def engine_arguments(target: Target, drafter: Path | None, *, max_batch: int, ma
     if num_speculative_tokens is not None:
         args["speculative_config"] = {"num_speculative_tokens": num_speculative_tokens}
     return args
+
+
+def cpu_kv_cache_gib(target: Target, max_batch: int, max_len: int) -> float:
+    """The KV cache ``max_batch`` requests of ``max_len`` tokens need in fp32, and a quarter more (the
+    drafter's layers, vLLM's block rounding): vLLM-CPU's cache size when ``vllm.kv_cache_memory_gib``
+    is not set."""
+    c = target.config
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 1.25 * max_batch * max_len * 2 * c.num_hidden_layers * heads * head_dim * 4 / 2**30
 
 
 def _cpu_build() -> bool:

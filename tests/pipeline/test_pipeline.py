@@ -47,6 +47,7 @@ def test_ray_job_submit_quickstart_with_tiny_override(ray_cluster, tmp_path):
     assert report["train"]["tau_live"] >= 1.0 and len(report["train"]["live_accept_by_pos"]) == 7  # train.live_eval
     assert (run_dir / "train" / "metrics.jsonl").exists() and os.path.exists(report["train"]["curves"])
     assert report["serve"]["version"] == 1 and report["serve"]["smoke_requests"] == 2
+    assert report["serve"]["backend"] == "specray" and "acceptance_by_position" in report["serve"]  # the replica's /metrics
     assert (run_dir / "exports" / "final" / "model.safetensors").exists()
     architecture = json.loads((run_dir / "exports" / "final" / "config.json").read_text())["architecture"]
     assert architecture["draft_vocab_size"] == 128  # counted by the gang from the capture's manifest
