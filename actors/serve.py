@@ -262,7 +262,7 @@ class VllmReplica:
     so Serve's rolling update keeps the old replicas (``VersionRollout``)."""
 
     def __init__(self, spec: ReplicaSpec):
-        from specray.serving.vllm_engine import VllmEngine, speculators_drafter
+        from specray.serving.vllm_engine import VllmEngine, serves_without_drafter, speculators_drafter
 
         serve_replica_on_loopback()
         self.spec = spec
@@ -301,8 +301,9 @@ class VllmReplica:
                                      max_len=spec.max_len, num_speculative_tokens=spec.num_speculative_tokens,
                                      engine_args=spec.vllm_args).start()
         except (ValueError, TypeError, NotImplementedError) as e:  # vLLM refuses the drafter or its config
-            if drafter is None:
-                raise
+            if drafter is None or not serves_without_drafter(target, max_batch=spec.max_batch, max_len=spec.max_len,
+                                                             engine_args=spec.vllm_args):
+                raise  # the configuration's fault, not the version's: nothing is rejected
             self._reject(version, f"vLLM refused the drafter: {type(e).__name__}: {e}")
         self.metrics = ReplicaMetrics(self.engine, spec.model_name).start()
         self.recorder = TrafficRecorder(spec.record, self.replica).start() if spec.record.enabled else None

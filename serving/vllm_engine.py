@@ -107,6 +107,20 @@ def engine_arguments(target: Target, drafter: Path | None, *, max_batch: int, ma
     return args
 
 
+def serves_without_drafter(target: Target, *, max_batch: int, max_len: int, engine_args: dict) -> bool:
+    """Whether vLLM accepts the engine's configuration without a drafter (its config checks only,
+    nothing loaded): after a refusal with a drafter, it tells the drafter's fault from the config's."""
+    from vllm import EngineArgs
+
+    args = engine_arguments(target, None, max_batch=max_batch, max_len=max_len, num_speculative_tokens=None,
+                            engine_args=engine_args)
+    try:
+        EngineArgs(**args).create_engine_config()
+    except (ValueError, TypeError, NotImplementedError):
+        return False
+    return True
+
+
 def cpu_kv_cache_gib(target: Target, max_batch: int, max_len: int) -> float:
     """The KV cache ``max_batch`` requests of ``max_len`` tokens need in fp32, and a quarter more (the
     drafter's layers, vLLM's block rounding): vLLM-CPU's cache size when ``vllm.kv_cache_memory_gib``

@@ -107,6 +107,12 @@ def test_a_version_vllm_cannot_serve_is_rejected_and_the_old_one_keeps_serving(r
     assert corrupt["replicas"] == [2]  # the registry's reports: every replica on version 2
 
 
+def test_a_configuration_vllm_refuses_is_told_from_a_drafter_it_refuses(run):
+    """A replica rejects a version only when vLLM accepts the same configuration without its drafter."""
+    _, result = run
+    assert _phase(result, "config_check") == {"good": True, "too_long": False}
+
+
 def test_served_requests_are_recorded(run):
     _, result = run
     records = _phase(result, "records")

@@ -5,7 +5,8 @@ tests/serving/test_vllm_backend.py inside the vLLM venv (``make vllm-env``):
 
 REQUEST: ``{"root": dir, "registry": dir (version 1 published), "next": export (published as
 version 2 under load), "corrupt": export (published as version 3 under load), "prompts": [[ids],
-...], "max_tokens": n, "k": k}``. It serves ``backend: vllm`` replicas of the embedded target, then:
+...], "max_tokens": n, "k": k}``. It checks ``serves_without_drafter`` on a good and a bad
+configuration, serves ``backend: vllm`` replicas of the embedded target, then:
 
 1. ``greedy``: each prompt's greedy completion text on version 1, and ``/metrics`` after them;
 2. ``rollout``: clients send requests while version 2 is published; the replicas roll to it
@@ -39,6 +40,7 @@ from specray.capture.target import load_target  # noqa: E402
 from specray.pipeline.config import ServeJobConfig, load_config  # noqa: E402
 from specray.serving.poller import rejection_scope  # noqa: E402
 from specray.serving.registry import DrafterRegistry  # noqa: E402
+from specray.serving.vllm_engine import serves_without_drafter  # noqa: E402
 
 TARGET = "embedded:smollm2-135m-instruct"
 
@@ -104,13 +106,17 @@ def main(request_path: str, result_path: str) -> None:
 
 def run(request: dict, result: dict) -> None:
     root, k, max_tokens, prompts = request["root"], request["k"], request["max_tokens"], request["prompts"]
+    target = load_target(TARGET, weights="none")
+    result["config_check"] = {  # what tells a drafter vLLM refuses from a configuration it refuses
+        "good": serves_without_drafter(target, max_batch=4, max_len=1024, engine_args={"dtype": "float32"}),
+        "too_long": serves_without_drafter(target, max_batch=4, max_len=10**7, engine_args={"dtype": "float32"})}
     ray.init(address="local", num_cpus=6, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
              runtime_env={"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}})
     base = ["backend=vllm", f"target.name={TARGET}", "registry.poll_interval_s=1", "engine.max_batch=4",
             "engine.max_len=1024", f"engine.num_speculative_tokens={k}", "engine.speculation=static",
             "vllm.dtype=float32", "vllm.kv_cache_memory_gib=1", "vllm.enforce_eager=true", "replica.num_cpus=1"]
     registry = DrafterRegistry(request["registry"])
-    scope = rejection_scope(load_target(TARGET, weights="none").target_fingerprint)
+    scope = rejection_scope(target.target_fingerprint)
     cfg = load_config(ServeJobConfig, None, base + [
         "name=vllm-backend", f"registry.uri={request['registry']}", f"http.port={request['port']}",
         f"record.uri={root}/records", "record.flush_interval_s=1", f"output.run_dir={root}/serve"])
