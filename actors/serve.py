@@ -70,7 +70,39 @@ _COUNTERS = (("tokens_generated", "tokens_generated", "tokens generated"),
              ("requests_failed", "requests_failed", "requests failed"))
 
 
-class ReplicaMetrics:
+class _Periodic:
+    """Runs ``tick()`` every ``interval_s`` on a daemon thread from ``start()`` to ``stop()``; a tick
+    that raises goes to ``tick_failed`` and the next interval tries again."""
+
+    thread_name = "specray-periodic"
+    interval_s: float
+
+    def start(self):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name=self.thread_name)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if getattr(self, "_thread", None) is not None:
+            self._stop.set()
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.tick()
+            except Exception as e:  # noqa: BLE001 - a failed tick must not end the thread: the next one retries
+                self.tick_failed(e)
+
+    def tick(self) -> None:
+        raise NotImplementedError
+
+    def tick_failed(self, error: Exception) -> None:
+        log.warning("%s: %s", self.thread_name, error)
+
+
+class ReplicaMetrics(_Periodic):
     """A replica's engine stats as Ray Serve metrics (``ray.serve.metrics``), so Ray's Prometheus
     endpoint holds every replica's: Serve tags each with ``deployment``, ``replica`` and
     ``application``; specray adds ``model`` and ``version`` (the drafter version, ``ar`` without
@@ -79,7 +111,7 @@ class ReplicaMetrics:
     version's), ``specray_version_tau`` (every version this replica served), and the counters
     ``specray_tokens_generated``, ``specray_requests_served`` / ``_aborted`` / ``_failed``
     (counted under the version active when they were counted). ``update()`` reads the engine
-    once; ``start()`` calls it every ``interval_s`` on a thread."""
+    once; ``start()`` calls it every ``interval_s`` on a thread until ``stop()``."""
 
     def __init__(self, engine, model: str, *, interval_s: float = METRICS_INTERVAL_S, metrics=None):
         if metrics is None:
@@ -93,8 +125,8 @@ class ReplicaMetrics:
         self.counters = {name: metrics.Counter(f"specray_{name}", description=text, tag_keys=tags)
                          for name, _, text in _COUNTERS}
         self._counted = {name: 0 for name, _, _ in _COUNTERS}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+
+    thread_name = "specray-serve-metrics"
 
     def update(self) -> None:
         stats = self.engine.stats()
@@ -111,22 +143,11 @@ class ReplicaMetrics:
                 self.counters[name].inc(stats[key] - self._counted[name], tags=tags)
                 self._counted[name] = stats[key]
 
-    def start(self) -> ReplicaMetrics:
-        self._thread = threading.Thread(target=self._run, daemon=True, name="specray-serve-metrics")
-        self._thread.start()
-        return self
+    def tick(self) -> None:
+        self.update()
 
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.update()
-            except Exception as e:  # noqa: BLE001 - metrics must never take a replica down; retried next interval
-                log.warning("updating the Ray Serve metrics failed: %s", e)
+    def tick_failed(self, error: Exception) -> None:  # metrics never take a replica down
+        log.warning("updating the Ray Serve metrics failed: %s", error)
 
 
 def _version_tag(version: int | None) -> str:
@@ -407,7 +428,7 @@ def registry_version(cfg: ServeJobConfig) -> tuple[DrafterRegistry, str, int | N
     return registry, scope, version
 
 
-class VersionRollout:
+class VersionRollout(_Periodic):
     """Keeps ``backend: vllm`` replicas on the version they should serve (``wanted_version``): every
     ``interval_s`` it compares that with the deployed one and, when they differ, redeploys the
     application with it. Serve then rolls the replicas (``max_surge_percent=100``): replicas on the
@@ -424,8 +445,8 @@ class VersionRollout:
         self.interval_s, self.retry_s, self.max_retry_s = interval_s, retry_s or interval_s, max_retry_s
         self.last_error: str | None = None
         self._backoff: dict[int, tuple[int, float]] = {}  # version -> (failures, monotonic time of the next try)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+
+    thread_name = "specray-vllm-rollout"
 
     def poll(self) -> int | None:
         """One check: roll to the wanted version if it differs. Returns the version rolled to, or None."""
@@ -453,23 +474,12 @@ class VersionRollout:
         self.version = want
         return want
 
-    def start(self) -> VersionRollout:
-        self._thread = threading.Thread(target=self._run, daemon=True, name="specray-vllm-rollout")
-        self._thread.start()
-        return self
+    def tick(self) -> None:
+        self.poll()
 
-    def stop(self, timeout: float = 30.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.poll()
-            except Exception as e:  # noqa: BLE001 - a registry hiccup: the next poll tries again
-                self.last_error = str(e)
-                log.warning("checking the registry for a drafter version failed: %s", e)
+    def tick_failed(self, error: Exception) -> None:  # a registry hiccup: the next poll tries again
+        self.last_error = str(error)
+        log.warning("checking the registry for a drafter version failed: %s", error)
 
 
 @dataclass(frozen=True)

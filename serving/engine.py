@@ -57,6 +57,27 @@ log = logging.getLogger(__name__)
 THROUGHPUT_WINDOW_S = 60.0  # tokens/s is measured over the steps of the last minute
 
 
+class TokenRate:
+    """Tokens generated, and tokens per second of stepping over the steps of the last minute (what
+    ``stats()`` reports). Not thread-safe: its engine calls it under its lock."""
+
+    def __init__(self, window_s: float = THROUGHPUT_WINDOW_S):
+        self.window_s, self.total = window_s, 0
+        self._steps: deque[tuple[float, int, float]] = deque()  # (end time, tokens, seconds) per step
+
+    def add(self, tokens: int, seconds: float) -> None:
+        now = time.monotonic()
+        self.total += tokens
+        if tokens:
+            self._steps.append((now, tokens, seconds))
+        while self._steps and now - self._steps[0][0] > self.window_s:
+            self._steps.popleft()
+
+    def per_second(self) -> float:
+        busy = sum(s for _, _, s in self._steps)
+        return sum(n for _, n, _ in self._steps) / busy if busy else 0.0
+
+
 class QueueFullError(RuntimeError):
     """``submit`` found ``max_waiting`` requests already waiting for a slot: retry later (HTTP 503
     with Retry-After, or 429), or serve with a larger ``max_waiting`` or more replicas."""
@@ -101,8 +122,8 @@ class Engine:
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._requests: dict[str, Request] = {}
-        self._throughput: deque[tuple[float, int, float]] = deque()  # (end time, tokens, seconds) per step
-        self._served = self._aborted = self._failed = self._tokens = 0
+        self._rate = TokenRate()
+        self._served = self._aborted = self._failed = 0
         self.versions = DrafterVersions(target, self.runner, self._lock, self._work.notify_all,
                                         num_speculative_tokens=num_speculative_tokens,
                                         max_speculative_batch=max_speculative_batch, speculation=speculation,
@@ -379,13 +400,8 @@ class Engine:
     # -- stats ----------------------------------------------------------------------------
 
     def _account(self, tokens: int, seconds: float) -> None:
-        now = time.monotonic()
         with self._lock:
-            self._tokens += tokens
-            if tokens:
-                self._throughput.append((now, tokens, seconds))
-            while self._throughput and now - self._throughput[0][0] > THROUGHPUT_WINDOW_S:
-                self._throughput.popleft()
+            self._rate.add(tokens, seconds)
 
     def stats(self) -> dict:
         """Serving metrics: throughput over the last minute of steps, and for the active version
@@ -393,7 +409,6 @@ class Engine:
         position was accepted), its worker's counters; per-version history and rejected versions
         with the reason."""
         with self._lock:
-            busy = sum(s for _, _, s in self._throughput)
             return {
                 **self.versions.summary(),
                 "requests_served": self._served,
@@ -401,8 +416,8 @@ class Engine:
                 "requests_failed": self._failed,
                 "requests_running": len(self._running),
                 "requests_waiting": len(self._waiting),
-                "tokens_generated": self._tokens,
-                "tokens_per_second": sum(n for _, n, _ in self._throughput) / busy if busy else 0.0,
+                "tokens_generated": self._rate.total,
+                "tokens_per_second": self._rate.per_second(),
             }
 
 

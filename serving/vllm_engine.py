@@ -43,7 +43,7 @@ from collections import deque
 from pathlib import Path
 
 from specray.capture.target import Target
-from specray.serving.engine import THROUGHPUT_WINDOW_S, QueueFullError
+from specray.serving.engine import QueueFullError, TokenRate
 from specray.serving.requests import (GenerationOutput, RequestHandle, TokenLogprob, check_prompt, cut_at_stop,
                                       encode_prompt)
 from specray.serving.sampling import SamplingParams
@@ -178,8 +178,8 @@ class VllmEngine:
         self._new: deque[tuple[str, list[int], object]] = deque()  # submitted, not yet added to vLLM
         self._aborts: deque[str] = deque()
         self._live: dict[str, _Live] = {}
-        self._throughput: deque[tuple[float, int, float]] = deque()
-        self._served = self._aborted = self._failed = self._tokens = 0
+        self._rate = TokenRate()
+        self._served = self._aborted = self._failed = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -366,13 +366,8 @@ class VllmEngine:
     # -- stats ----------------------------------------------------------------------------
 
     def _account(self, tokens: int, seconds: float) -> None:
-        now = time.monotonic()
         with self._lock:
-            self._tokens += tokens
-            if tokens:
-                self._throughput.append((now, tokens, seconds))
-            while self._throughput and now - self._throughput[0][0] > THROUGHPUT_WINDOW_S:
-                self._throughput.popleft()
+            self._rate.add(tokens, seconds)
 
     def acceptance(self) -> dict:
         """Rounds, tau and acceptance by draft position from vLLM's spec-decode counters."""
@@ -393,7 +388,6 @@ class VllmEngine:
         acc = self.acceptance() if self.version is not None else {"rounds": 0, "tau": None,
                                                                    "acceptance_by_position": []}
         with self._lock:
-            busy = sum(s for _, _, s in self._throughput)
             running = min(len(self._live), self.max_batch)
             return {
                 "backend": "vllm",
@@ -412,6 +406,6 @@ class VllmEngine:
                 "requests_failed": self._failed,
                 "requests_running": running,
                 "requests_waiting": len(self._live) - running,
-                "tokens_generated": self._tokens,
-                "tokens_per_second": sum(n for _, n, _ in self._throughput) / busy if busy else 0.0,
+                "tokens_generated": self._rate.total,
+                "tokens_per_second": self._rate.per_second(),
             }
