@@ -44,6 +44,7 @@ from specray.actors.cluster import connect, serve_replica_on_loopback
 from specray.capture.chat import resolve_chat_template
 from specray.capture.devices import resolve_device
 from specray.capture.target import load_target
+from specray.drafters.format import check_export
 from specray.serving.engine import Engine, EngineLoop
 from specray.serving.http_guard import HttpLimits, is_loopback, normalize_api_key
 from specray.serving.openai_api import create_app
@@ -430,18 +431,22 @@ def registry_version(cfg: ServeJobConfig) -> tuple[DrafterRegistry, str, int | N
 
 class VersionRollout(_Periodic):
     """Keeps ``backend: vllm`` replicas on the version they should serve (``wanted_version``): every
-    ``interval_s`` it compares that with the deployed one and, when they differ, redeploys the
-    application with it. Serve then rolls the replicas (``max_surge_percent=100``): replicas on the
-    new version start beside the old ones, which are stopped only once the new ones run, after
-    their requests finish. A version whose replicas fail to start is left behind: rejected in the
-    registry when the replica could say why (``VllmReplica``), else retried with backoff
-    (``retry_s`` doubling up to ``max_retry_s``). The replicas of the version served keep serving
-    throughout (Serve keeps them when a rollout fails), and the application is redeployed on that
-    version, which rolls them once more onto fresh replicas of it."""
+    ``interval_s`` it compares that with the deployed one and, when they differ, checks the version
+    (``check``: it returns why the export cannot be served, allocating nothing) and redeploys the
+    application with it. A version the check refuses is rejected in the registry at once, and no
+    replica restarts for it. Serve then rolls the replicas (``max_surge_percent=100``): replicas on
+    the new version start beside the old ones, which are stopped only once the new ones run, after
+    their requests finish. A version whose replicas fail to start anyway is left behind: rejected
+    in the registry when the replica could say why (``VllmReplica``), else retried with backoff
+    (``retry_s`` doubling up to ``max_retry_s``), as is a version the check could not read (a pull
+    that failed). The replicas of the version served keep serving throughout (Serve keeps them when
+    a rollout fails), and the application is redeployed on that version, which rolls them once more
+    onto fresh replicas of it."""
 
     def __init__(self, registry: DrafterRegistry, scope: str, version: int | None, deploy, *, interval_s: float,
-                 retry_s: float | None = None, max_retry_s: float = 600.0):
+                 check=None, retry_s: float | None = None, max_retry_s: float = 600.0):
         self.registry, self.scope, self.version, self.deploy = registry, scope, version, deploy
+        self.check = check or (lambda version: None)
         self.interval_s, self.retry_s, self.max_retry_s = interval_s, retry_s or interval_s, max_retry_s
         self.last_error: str | None = None
         self._backoff: dict[int, tuple[int, float]] = {}  # version -> (failures, monotonic time of the next try)
@@ -456,23 +461,39 @@ class VersionRollout(_Periodic):
         self.last_error = problem
         if want == self.version:
             return None
+        if want is not None:
+            try:
+                refused = self.check(want)
+            except Exception as e:  # noqa: BLE001 - not the version's fault (a pull that failed): retried
+                self._retry_later(want, f"version {want} could not be checked: {e}")
+                return None
+            if refused:
+                self.registry.reject(want, self.scope, refused, by="rollout")
+                self.last_error = f"version {want} rejected: {refused}"
+                log.warning("%s; serving version %s", self.last_error, self.version)
+                return None
         log.info("rolling the vLLM replicas from drafter version %s to %s", self.version, want)
         try:
             self.deploy(want)
         except Exception as e:  # noqa: BLE001 - the old replicas still serve: back to them
-            self.last_error = f"version {want} did not start: {e}"
             if want is not None and want in self.registry.rejected_for(self.scope):
                 self._backoff.pop(want, None)  # rejected for good: never tried again
-            elif want is not None:
-                failures = self._backoff.get(want, (0, 0.0))[0] + 1
-                delay = min(self.retry_s * 2 ** (failures - 1), self.max_retry_s)
-                self._backoff[want] = (failures, time.monotonic() + delay)
+                self.last_error = f"version {want} did not start: {e}"
+            else:
+                self._retry_later(want, f"version {want} did not start: {e}")
             log.warning("%s; serving version %s", self.last_error, self.version)
             self.deploy(self.version)
             return None
         self._backoff.pop(want, None)
         self.version = want
         return want
+
+    def _retry_later(self, version: int | None, error: str) -> None:
+        self.last_error = error
+        if version is not None:
+            failures = self._backoff.get(version, (0, 0.0))[0] + 1
+            self._backoff[version] = (failures, time.monotonic() + min(self.retry_s * 2 ** (failures - 1),
+                                                                       self.max_retry_s))
 
     def tick(self) -> None:
         self.poll()
@@ -574,6 +595,20 @@ def start_serving(cfg: ServeJobConfig, *, timeout_s: float = 600.0) -> ServeHand
     rollout, version = None, None
     if cfg.backend == "vllm" and cfg.registry.uri:
         registry, scope, version = registry_version(cfg)
+        spec = replica_spec(cfg, api_key)  # the replicas' template: the fingerprint an export is checked against
+        target = load_target(cfg.target.name, weights="none", chat_template=spec.chat_template,
+                             chat_template_kwargs=spec.chat_template_kwargs)
+        cache = Path(spec.cache_dir)
+
+        def check(drafter_version: int) -> str | None:
+            """Why the replicas could not serve ``drafter_version`` (None: they can try)."""
+            try:
+                check_export(registry.pull(drafter_version, cache), vocab_size=target.vocab_size,
+                             hidden_size=target.hidden_size, target_fingerprint=target.target_fingerprint,
+                             template_fingerprint=target.template_fingerprint)
+            except ValueError as e:  # RejectedVersionError, InvalidDrafterError
+                return f"the export cannot be served: {e}"
+            return None
 
         def deploy(drafter_version: int | None) -> None:
             try:
@@ -581,7 +616,8 @@ def start_serving(cfg: ServeJobConfig, *, timeout_s: float = 600.0) -> ServeHand
             except RuntimeError as e:
                 raise RuntimeError(f"{e}\n{_deployment_messages(cfg.name, limit=1000)}") from None
 
-        rollout = VersionRollout(registry, scope, version, deploy, interval_s=cfg.registry.poll_interval_s)
+        rollout = VersionRollout(registry, scope, version, deploy, interval_s=cfg.registry.poll_interval_s,
+                                 check=check)
     app = application(cfg, api_key, version)
     connect(cfg.ray.address, cfg.ray.num_cpus)
     host = "127.0.0.1" if cfg.http.host in ("0.0.0.0", "::") else cfg.http.host

@@ -262,12 +262,38 @@ def check_weights(header: dict[str, tuple[str, tuple[int, ...]]], expected: dict
                                   "re-export it")
 
 
+def check_export(export_dir: str | Path, *, vocab_size: int, hidden_size: int, target_fingerprint: str,
+                 template_fingerprint: str) -> None:
+    """Every check ``load_drafter`` makes before it builds the drafter (fingerprints, config bounds,
+    sha256, the weights' header against the architecture's shapes), allocating nothing: for a
+    process that has the target's config but not its weights (a serving driver)."""
+    with torch.device("meta"):
+        embed_tokens, lm_head = nn.Embedding(vocab_size, hidden_size), nn.Linear(hidden_size, vocab_size, bias=False)
+    _checked(Path(export_dir), embed_tokens, lm_head, target_fingerprint, template_fingerprint, None)
+
+
 def load_drafter(
     export_dir: str | Path, *, embed_tokens: nn.Embedding, lm_head: nn.Linear,
     target_fingerprint: str, template_fingerprint: str, contract: dict | None = None,
 ) -> nn.Module:
     """Validate an export against the target it will draft for, then build the drafter (module doc)."""
     path = Path(export_dir)
+    spec, arch = _checked(path, embed_tokens, lm_head, target_fingerprint, template_fingerprint, contract)
+    model = spec.model(arch, embed_tokens=embed_tokens, lm_head=lm_head)
+    model.load_state_dict(load_file(path / "model.safetensors"))
+    try:
+        model.validate_state()
+        attach = getattr(model, "attach_export", None)  # files beside the weights a drafter reads (DSpark's calibration)
+        if attach is not None:
+            attach(path)
+    except ValueError as e:
+        raise InvalidDrafterError(f"{path}: {e}") from None
+    return model.eval().requires_grad_(False)
+
+
+def _checked(path: Path, embed_tokens: nn.Module, lm_head: nn.Module, target_fingerprint: str,
+             template_fingerprint: str, contract: dict | None):
+    """The export's checks before anything is built; returns (its drafter's spec, its architecture)."""
     config = read_drafter_config(path)
     for field, expected in (("target_fingerprint", target_fingerprint), ("template_fingerprint", template_fingerprint)):
         if config.get(field) != expected:
@@ -292,13 +318,4 @@ def load_drafter(
     with torch.device("meta"):  # the shapes the architecture implies, without their memory
         expected = spec.model(arch, embed_tokens=embed_tokens, lm_head=lm_head).state_dict()
     check_weights(read_safetensors_header(path / "model.safetensors"), expected, config["architecture"], str(path))
-    model = spec.model(arch, embed_tokens=embed_tokens, lm_head=lm_head)
-    model.load_state_dict(load_file(path / "model.safetensors"))
-    try:
-        model.validate_state()
-        attach = getattr(model, "attach_export", None)  # files beside the weights a drafter reads (DSpark's calibration)
-        if attach is not None:
-            attach(path)
-    except ValueError as e:
-        raise InvalidDrafterError(f"{path}: {e}") from None
-    return model.eval().requires_grad_(False)
+    return spec, arch

@@ -4,6 +4,8 @@ rollout's choice of version, its retreat from a version whose replicas fail, and
 with vLLM is tests/serving/test_vllm_backend.py."""
 
 
+import shutil
+
 import pytest
 from serve_support import random_dflash_export
 
@@ -124,3 +126,41 @@ def test_the_rollout_leaves_a_version_whose_replicas_fail(registry, export):
     registry.publish(export)
     failing.clear()
     assert rollout.poll() == 4 and rollout.version == 4 and deployed[-1] == 4
+
+
+def test_a_version_the_check_refuses_is_rejected_without_a_rollout(registry, export, debug_target, tmp_path):
+    """The driver checks each version before it redeploys (``check_export``: fingerprints, bounds, sha256,
+    nothing allocated): a corrupt one is rejected at once and no replica restarts for it."""
+    from specray.drafters.format import check_export
+
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(export, corrupt)
+    with open(corrupt / "model.safetensors", "r+b") as f:
+        f.truncate((corrupt / "model.safetensors").stat().st_size // 2)
+    assert registry.publish(corrupt) == 4
+    checked, deployed = [], []
+
+    def check(version):
+        checked.append(version)
+        try:
+            check_export(registry.pull(version, tmp_path / "cache"), vocab_size=debug_target.vocab_size,
+                         hidden_size=debug_target.hidden_size, target_fingerprint=debug_target.target_fingerprint,
+                         template_fingerprint=debug_target.template_fingerprint)
+        except ValueError as e:
+            return f"the export cannot be served: {e}"
+
+    rollout = VersionRollout(registry, SCOPE, 3, deployed.append, interval_s=1, check=check)
+    assert rollout.poll() is None and checked == [4] and deployed == []
+    assert "sha256" in registry.rejected_for(SCOPE)[4].reason and "version 4 rejected" in rollout.last_error
+    assert registry.publish(export) == 5
+    assert rollout.poll() == 5 and checked == [4, 5] and deployed == [5]
+
+
+def test_a_check_that_cannot_read_the_version_retries_it_later(registry):
+    def check(version):
+        raise OSError("S3 503 SlowDown")
+
+    deployed = []
+    rollout = VersionRollout(registry, SCOPE, 2, deployed.append, interval_s=1, retry_s=60, check=check)
+    assert rollout.poll() is None and deployed == [] and "could not be checked: S3 503" in rollout.last_error
+    assert 3 in rollout._backoff and 3 not in registry.rejected_for(SCOPE)
