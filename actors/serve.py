@@ -418,11 +418,12 @@ def wanted_version(registry: DrafterRegistry, scope: str, served: int | None,
     return max(good, default=None), None
 
 
-def registry_version(cfg: ServeJobConfig) -> tuple[DrafterRegistry, str, int | None]:
+def registry_version(cfg: ServeJobConfig, target=None) -> tuple[DrafterRegistry, str, int | None]:
     """The registry of ``cfg``, its target's rejection scope, and the version its replicas should
-    serve now (``wanted_version``)."""
+    serve now (``wanted_version``). ``target``: the target already loaded (``weights="none"`` is enough)."""
     registry = DrafterRegistry(_absolute_uri(cfg.registry.uri), endpoint_url=cfg.registry.endpoint_url)
-    scope = rejection_scope(load_target(cfg.target.name, weights="none").target_fingerprint)
+    target = target or load_target(cfg.target.name, weights="none")
+    scope = rejection_scope(target.target_fingerprint)
     version, problem = wanted_version(registry, scope, None)
     if problem:
         log.warning("%s", problem)
@@ -594,10 +595,10 @@ def start_serving(cfg: ServeJobConfig, *, timeout_s: float = 600.0) -> ServeHand
         )
     rollout, version = None, None
     if cfg.backend == "vllm" and cfg.registry.uri:
-        registry, scope, version = registry_version(cfg)
         spec = replica_spec(cfg, api_key)  # the replicas' template: the fingerprint an export is checked against
         target = load_target(cfg.target.name, weights="none", chat_template=spec.chat_template,
                              chat_template_kwargs=spec.chat_template_kwargs)
+        registry, scope, version = registry_version(cfg, target)
         cache = Path(spec.cache_dir)
 
         def check(drafter_version: int) -> str | None:

@@ -44,8 +44,8 @@ from torch import nn
 
 from specray.capture.target import Target
 from specray.serving.cost_table import CostTable, describe_machine
-from specray.serving.requests import (GenerationOutput, Request, RequestHandle, StreamDelta, check_prompt,
-                                      encode_prompt)
+from specray.serving.requests import (GenerationOutput, Request, RequestHandle, StreamDelta, TokenizerSurface,
+                                      check_prompt)
 from specray.serving.runner import LlamaRunner
 from specray.serving.sampling import SamplingParams, sample_each
 from specray.serving.versions import DrafterVersion, DrafterVersions
@@ -83,7 +83,7 @@ class QueueFullError(RuntimeError):
     with Retry-After, or 429), or serve with a larger ``max_waiting`` or more replicas."""
 
 
-class Engine:
+class Engine(TokenizerSurface):
     def __init__(self, target: Target, drafter_dir: str | None = None, *, max_batch: int = 4, max_len: int = 2048,
                  drafter_version: int = 0, num_speculative_tokens: int | None = None,
                  max_speculative_batch: int | None = None, speculation: str = "auto", tree: bool = False,
@@ -161,17 +161,6 @@ class Engine:
         return self.versions.load(drafter_dir, version)
 
     # -- requests -------------------------------------------------------------------------
-
-    def decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=False)
-
-    def encode(self, prompt) -> list[int]:
-        """A string (rendered as one user turn), a chat message list, or token ids."""
-        return encode_prompt(self.tokenizer, prompt)
-
-    def tokenize(self, text: str) -> list[int]:
-        """Raw text (no chat template) to token ids: the prompt of a plain completion."""
-        return self.tokenizer(text, add_special_tokens=True)["input_ids"]
 
     def _check(self, ids: list[int], params: SamplingParams, version: DrafterVersion) -> None:
         check_prompt(ids, params, max_len=self.max_len, vocab_size=self.target.vocab_size,

@@ -133,6 +133,23 @@ def check_prompt(ids: list[int], params: SamplingParams, *, max_len: int, vocab_
         raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
 
 
+class TokenizerSurface:
+    """An engine's text side, from its ``tokenizer``: what the OpenAI layer calls (both backends)."""
+
+    tokenizer: object
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=False)
+
+    def encode(self, prompt) -> list[int]:
+        """A string (rendered as one user turn), a chat message list, or token ids."""
+        return encode_prompt(self.tokenizer, prompt)
+
+    def tokenize(self, text: str) -> list[int]:
+        """Raw text (no chat template) to token ids: the prompt of a plain completion."""
+        return self.tokenizer(text, add_special_tokens=True)["input_ids"]
+
+
 class RequestHandle:
     """A submitted request. Iterate it for its ``StreamDelta``s (``for`` in a thread, ``async for``
     in asyncio; each iteration starts from the beginning), wait for its ``GenerationOutput`` with

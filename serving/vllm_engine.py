@@ -44,8 +44,8 @@ from pathlib import Path
 
 from specray.capture.target import Target
 from specray.serving.engine import QueueFullError, TokenRate
-from specray.serving.requests import (GenerationOutput, RequestHandle, TokenLogprob, check_prompt, cut_at_stop,
-                                      encode_prompt)
+from specray.serving.requests import (GenerationOutput, RequestHandle, TokenizerSurface, TokenLogprob, check_prompt,
+                                      cut_at_stop)
 from specray.serving.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ class _Live:
         self.handle, self.sent, self.start = handle, 0, time.perf_counter()
 
 
-class VllmEngine:
+class VllmEngine(TokenizerSurface):
     """Our engine's serving surface over vLLM (module docstring). ``drafter``: a speculators
     directory (``speculators_drafter``) or None for plain autoregressive serving; ``version``: the
     registry version it is (reported in stats and responses)."""
@@ -305,15 +305,6 @@ class VllmEngine:
             pass
 
     # -- requests -------------------------------------------------------------------------
-
-    def decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=False)
-
-    def encode(self, prompt) -> list[int]:
-        return encode_prompt(self.tokenizer, prompt)
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=True)["input_ids"]
 
     def _stop_ids(self, params: SamplingParams) -> set[int]:
         ids = set(params.stop_token_ids)
