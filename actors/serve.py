@@ -582,6 +582,26 @@ def application(cfg: ServeJobConfig, api_key: str | None, drafter_version: int |
                                graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S, **options).bind(spec)
 
 
+def rollout_room(cfg: ServeJobConfig, resources: dict) -> str | None:
+    """Why the Ray cluster (``resources``: ``ray.cluster_resources()``) cannot hold a rollout of
+    ``backend: vllm`` replicas at their most (None: it can). A rollout starts the new replicas
+    beside the old ones, so it needs room for twice ``autoscaling.max_replicas``; without the room
+    Serve keeps the new ones pending, and the rollout waits, until an autoscaling cluster adds a node."""
+    if cfg.backend != "vllm" or not cfg.registry.uri:
+        return None
+    replicas = 2 * cfg.autoscaling.max_replicas
+    for field_name, per_replica, resource in (("replica.num_cpus", cfg.replica.num_cpus, "CPU"),
+                                              ("num_gpus_per_replica", cfg.num_gpus_per_replica, "GPU")):
+        have = resources.get(resource, 0.0)
+        if per_replica and replicas * per_replica > have:
+            return (f"a rollout to a new drafter version starts the new vLLM replicas beside the old ones: "
+                    f"{replicas} replicas (2 x autoscaling.max_replicas={cfg.autoscaling.max_replicas}) x "
+                    f"{field_name}={per_replica:g} = {replicas * per_replica:g} {resource}s, and the Ray cluster has "
+                    f"{have:g}; lower {field_name} or autoscaling.max_replicas, or add nodes, else each rollout "
+                    "waits for room")
+    return None
+
+
 def start_serving(cfg: ServeJobConfig, *, timeout_s: float = 600.0) -> ServeHandle:
     """Deploy the replicas described by ``cfg`` and return once ``/health`` answers over HTTP. With
     ``backend: vllm`` and a registry, the replicas start on the version ``wanted_version`` picks and
@@ -621,6 +641,8 @@ def start_serving(cfg: ServeJobConfig, *, timeout_s: float = 600.0) -> ServeHand
                                  check=check)
     app = application(cfg, api_key, version)
     connect(cfg.ray.address, cfg.ray.num_cpus)
+    if rollout is not None and (cramped := rollout_room(cfg, ray.cluster_resources())):
+        log.warning("%s", cramped)
     host = "127.0.0.1" if cfg.http.host in ("0.0.0.0", "::") else cfg.http.host
     handle = ServeHandle(f"http://{host}:{cfg.http.port}", cfg.served_model_name, api_key, cfg.name,
                          started_serve=not _serve_is_running(), rollout=rollout)

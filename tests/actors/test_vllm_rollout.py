@@ -9,7 +9,7 @@ import shutil
 import pytest
 from serve_support import random_dflash_export
 
-from specray.actors.serve import VersionRollout, application, wanted_version
+from specray.actors.serve import VersionRollout, application, rollout_room, wanted_version
 from specray.pipeline.config import ConfigError, PipelineConfig, ServeJobConfig, load_config
 from specray.serving.registry import OPERATOR, DrafterRegistry
 
@@ -71,6 +71,19 @@ def test_a_vllm_replica_asks_ray_for_its_gpus_and_rolls_with_surge():
     ours = _deployment(application(load_config(ServeJobConfig, "manifests/serve.yaml", ["num_gpus_per_replica=1",
                                                                                           "target.device=cuda"]), None))
     assert ours.name == "SpecrayReplica" and ours.ray_actor_options["num_gpus"] == 1
+
+
+def test_a_cluster_without_room_for_a_rollout_is_named():
+    cfg = _vllm("registry.uri=/tmp/registry", "autoscaling.max_replicas=2", "replica.num_cpus=1")
+    message = rollout_room(cfg, {"CPU": 2.0})
+    assert "4 replicas (2 x autoscaling.max_replicas=2) x replica.num_cpus=1 = 4 CPUs" in message
+    assert "the Ray cluster has 2" in message and "lower replica.num_cpus" in message
+    assert rollout_room(cfg, {"CPU": 4.0}) is None
+    gpus = _vllm("registry.uri=/tmp/registry", "num_gpus_per_replica=1", "replica.num_cpus=1")
+    assert "num_gpus_per_replica=1 = 4 GPUs, and the Ray cluster has 1" in rollout_room(gpus, {"CPU": 8, "GPU": 1})
+    assert rollout_room(_vllm("registry.uri=null"), {"CPU": 0.5}) is None  # a fixed drafter never rolls
+    specray = load_config(ServeJobConfig, "manifests/serve.yaml", ["registry.uri=/tmp/registry"])
+    assert rollout_room(specray, {"CPU": 1.0}) is None  # our replicas hot-load in place
 
 
 @pytest.fixture

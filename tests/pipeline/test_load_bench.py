@@ -4,6 +4,7 @@ happen beside an online training stream; the report's invariants."""
 
 import json
 import uuid
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -15,11 +16,13 @@ from specray.drafters.format import InvalidDrafterError, save_drafter
 from specray.pipeline.bench.load import (
     LoadBenchOptions,
     OVERSIZED_VALUE,
+    _checks,
     _corrupt_copy,
     _failures,
     _greedy,
     _oversized_copy,
     _Reference,
+    _replicas,
     bench_load,
     load_table,
 )
@@ -117,9 +120,40 @@ def test_failures_are_attributed_to_the_kill_by_time_and_greedy_answers_compared
     assert (failures["attempts_failed_from_kill"], failures["attempts_failed_not_from_kill"]) == (1, 1)
     assert failures["requests_failed_after_retries"] == 1 and failures["in_flight_at_kill"] == 1
     assert failures["by_reason"]["HTTP 500"] == {"count": 1, "from_kill": 0, "server_error": True, "example": None}
+    # the stream the kill cut dropped its connection: the only failure allowed to end without an answer
+    assert failures["attempts_failed_without_server_error"] == 1
+    assert failures["attempts_failed_without_server_error_not_from_kill"] == 0
+    run.attempts.append(StreamAttempt(1, 2, 0, prompt=1, start_s=20.0, end_s=21.0, error="timeout"))
+    assert _failures(run)[0]["attempts_failed_without_server_error_not_from_kill"] == 1
     served = [a for a in last.values() if a.error is None]
     greedy = _greedy(served, [_Reference("ab", 2), _Reference("xz", 2)])
     assert (greedy["compared"], greedy["mismatches"]) == (2, 1) and greedy["examples"][0]["prompt"] == 1
+
+
+def test_replicas_a_rolling_update_stopped_are_retired_not_live():
+    """backend vllm: a publish replaces the replicas; the ones stopped never see later versions,
+    and the checks judge the replicas alive at the end."""
+    t0 = 100.0
+    seen = {"old": (0.0, 170.0, {1: 0.0}, {}), "new": (170.0, 367.0, {2: 170.0}, {3: "sha256", 4: "bad"}),
+            "gone": (173.0, 270.0, {2: 173.0}, {3: "sha256", 4: "bad"})}
+    monitor = SimpleNamespace(replicas={rid: {"first_seen": t0 + a, "last_seen": t0 + b, "active": max(since),
+                                              "active_since": {v: t0 + t for v, t in since.items()},
+                                              "rejected": rejected}
+                                        for rid, (a, b, since, rejected) in seen.items()})
+    run = SimpleNamespace(t0=t0, seconds=360.0, killed_replica="gone", settled_at_s=367.0, unfinished_clients=0,
+                          events=[{"what": "publish", "version": 2, "at_s": 90.0},
+                                  {"what": "publish-bad", "version": 3, "at_s": 180.0},
+                                  {"what": "kill", "at_s": 270.0}], newest_good=2)
+    replicas = _replicas(run, monitor)
+    assert [(r["killed"], r["retired"]) for r in replicas.values()] == [(False, True), (False, False), (True, False)]
+    failures = {"attempts_failed_not_from_kill": 0, "by_reason": {}, "requests_failed_after_retries": 0,
+                "attempts_failed_without_server_error_not_from_kill": 0}
+    checks = _checks(run, failures, {"compared": 1, "mismatches": 0}, Counter({"specray-drafter-v2": 1}), replicas,
+                     None, None)
+    assert checks["bad_version_rejected_by_every_live_replica"] and checks["live_replicas_on_newest_good_version"]
+    replicas["old"]["retired"] = False  # counted live, it never saw v3
+    assert not _checks(run, failures, {"compared": 1, "mismatches": 0}, Counter(), replicas, None, None)[
+        "bad_version_rejected_by_every_live_replica"]
 
 
 @pytest.mark.ray
@@ -154,7 +188,7 @@ def test_load_and_faults_on_two_replicas(ray_cluster, seaweedfs, debug_target, t
     assert checks["oversized_version_never_served"] and checks["new_version_served"] and checks["clients_finished"]
     # a stream cut by the kill is raised by the client (a dropped connection), so it can be retried;
     # Serve's proxy cannot send an error body for a replica that died mid-stream
-    assert checks["failures_raised_by_the_client"], result["failures"]
+    assert checks["failures_raised_by_the_client"] and checks["failures_answered_with_an_error"], result["failures"]
     assert [e["what"] for e in result["events"]] == ["s3-outage", "publish", "publish-bad", "publish-oversized", "kill"]
     assert [e.get("version") for e in result["events"]] == [None, 2, 3, 4, None]
     assert "specray-drafter-v1" in result["versions_seen"]

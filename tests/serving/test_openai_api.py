@@ -1,13 +1,13 @@
-"""The OpenAI-compatible app over a debug-target engine, through FastAPI's TestClient (no Ray):
-answers match the engine, streams add up, bad requests are 400s that name the field, a wrong
-key is a 401, and the engine keeps serving after each of them."""
+"""The OpenAI-compatible app through FastAPI's TestClient (no Ray), on both backends
+(tests/serving/backends.py): answers match our engine, streams add up, bad requests are 400s that
+name the field, a wrong key is a 401, and the engine keeps serving after each of them."""
 
 import json
 
 import pytest
 from fastapi.testclient import TestClient
 
-from specray.serving.engine import Engine, EngineLoop
+from backends import BACKENDS, serving
 from specray.serving.openai_api import create_app
 from specray.serving.sampling import SamplingParams
 
@@ -15,13 +15,13 @@ KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-@pytest.fixture(scope="module")
-def served(debug_target):
-    engine = Engine(debug_target, None, max_batch=2, max_len=256)
-    loop = EngineLoop(engine).start()
-    with TestClient(create_app(engine, model_name="debug", api_key=KEY)) as client:
-        yield engine, client
-    loop.stop()
+@pytest.fixture(scope="module", params=BACKENDS)
+def served(request):
+    """(our engine on the served target, a client of the app)."""
+    engine = serving(request.param, request, max_batch=2, max_len=256).start()
+    with TestClient(create_app(engine.engine, model_name="debug", api_key=KEY)) as client:
+        yield engine.reference, client
+    engine.stop()
 
 
 def _events(response) -> list:
@@ -30,7 +30,7 @@ def _events(response) -> list:
     return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
 
 
-def test_completions_match_the_engine(served, debug_target):
+def test_completions_match_the_engine(served):
     engine, client = served
     expected = engine.generate([engine.tokenize("Once upon a time")], SamplingParams(max_tokens=6, ignore_eos=True))[0]
     body = {"model": "debug", "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0, "ignore_eos": True}

@@ -1,7 +1,8 @@
 """The OpenAI app's guard and request bounds (no Ray): the key is checked before the body is
 read, a server without a key answers loopback clients only, bodies and prompts are capped
 before any tokenizing, stop strings are bounded, a full wait queue is a 503 to retry, the API
-docs are off and /health reveals no paths or errors; the engine keeps serving after each refusal."""
+docs are off and /health reveals no paths or errors; the engine keeps serving after each refusal.
+Each holds on both backends (tests/serving/backends.py)."""
 
 import asyncio
 import json
@@ -9,7 +10,8 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from specray.serving.engine import Engine, EngineLoop
+from backends import BACKENDS, serving
+from specray.serving.engine import QueueFullError
 from specray.serving.openai_api import create_app
 from specray.serving.sampling import SamplingParams
 
@@ -36,12 +38,11 @@ class _Spy:
         return self.engine.stats()
 
 
-@pytest.fixture(scope="module")
-def engine(debug_target):
-    engine = Engine(debug_target, None, max_batch=2, max_len=256)
-    loop = EngineLoop(engine).start()
-    yield engine
-    loop.stop()
+@pytest.fixture(scope="module", params=BACKENDS)
+def engine(request):
+    served = serving(request.param, request, max_batch=2, max_len=256).start()
+    yield served.engine
+    served.stop()
 
 
 def _app(engine, **kwargs):
@@ -210,12 +211,18 @@ def test_malformed_bodies_are_400s_that_say_why(engine, content, headers, param,
     assert spy.calls == []
 
 
-def test_a_full_wait_queue_is_a_503_to_retry(debug_target):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_full_wait_queue_is_a_503_to_retry(backend, request):
     """The engine refuses a request beyond max_waiting (QueueFullError): the client gets a 503
     with Retry-After, which openai's client retries, and the engine serves the queued ones."""
-    engine = Engine(debug_target, None, max_batch=1, max_len=256, max_waiting=1)  # not stepped yet: all wait
+    served = serving(backend, request, max_batch=1, max_len=256, max_waiting=1)  # not started: nothing runs
+    engine = served.engine
     _, app = _app(engine, api_key=KEY)
-    queued = engine.submit("Hi", SamplingParams(max_tokens=2))
+    queued = []
+    with pytest.raises(QueueFullError):  # the slots (as the backend counts them) and the wait queue fill
+        for _ in range(3):
+            queued.append(engine.submit("Hi", SamplingParams(max_tokens=2)))
+    assert queued
     client = TestClient(app, client=LOOPBACK)
     for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions",
                                                               {"messages": [{"role": "user", "content": "x"}]})):
@@ -223,9 +230,9 @@ def test_a_full_wait_queue_is_a_503_to_retry(debug_target):
         assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
         assert (r.json()["error"]["type"], r.json()["error"]["code"]) == ("server_error", "queue_full")
         assert "retry later" in r.json()["error"]["message"] and "max_waiting" in r.json()["error"]["message"]
-    loop = EngineLoop(engine).start()
+    served.start()
     try:
-        assert len(queued.result(timeout=60).token_ids) >= 1
+        assert all(len(q.result(timeout=120).token_ids) >= 1 for q in queued)
         _still_serving(client)
     finally:
-        loop.stop()
+        served.stop()
