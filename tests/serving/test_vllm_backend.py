@@ -134,9 +134,11 @@ def test_the_openai_layer_holds_on_vllm():
     their vLLM parameter in the vLLM venv: the API key, body and prompt bounds, 4xx naming the
     field, 503 + Retry-After when the queue is full, streaming, greedy answers equal our engine's."""
     out = subprocess.run([str(VLLM_PYTHON), "-m", "pytest", "-m", "vllm", "-q", "-p", "no:cacheprovider",
-                          "tests/serving/test_openai_api.py", "tests/serving/test_openai_api_guard.py"],
+                          "tests/serving/test_openai_api.py", "tests/serving/test_openai_api_guard.py",
+                          "tests/serving/test_openai_api_compat.py"],
                          cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=1800)
-    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
+    hint = "\n(no pytest in .venv-vllm? make vllm-env installs it)"
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:] + hint
     # pytest's summary line; vLLM's shutdown may log after it
     summary = next(line for line in reversed(out.stdout.splitlines()) if re.search(r"\d+ passed", line))
     assert " passed" in summary and "skipped" not in summary and "deselected" in summary, summary
