@@ -376,12 +376,11 @@ class VllmEngine(TokenizerSurface):
 
     def stats(self) -> dict:
         """``Engine.stats()``'s keys (serving/engine.py), the acceptance from vLLM's counters."""
+        acc = self.acceptance() if self.version is not None else None
         with self._lock:
-            total = self._rate.total
-        # without a drafter each token is a round of one, as our engine counts plain steps
-        acc = self.acceptance() if self.version is not None else {"rounds": total, "tau": 1.0 if total else None,
-                                                                   "acceptance_by_position": []}
-        with self._lock:
+            if acc is None:  # without a drafter each token is a round of one, as our engine counts plain steps
+                total = self._rate.total
+                acc = {"rounds": total, "tau": 1.0 if total else None, "acceptance_by_position": []}
             running = min(len(self._live), self.max_batch)
             return {
                 "backend": "vllm",
