@@ -396,10 +396,30 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from specray.pipeline.bench.common import write_json
     from specray.pipeline.config import CaptureJobConfig, TrainJobConfig, load_config
 
-    if args.benchmark == "serve":
-        from specray.pipeline.bench import serve as serve_bench
+    if args.benchmark == "serve" and (len(args.drafter or []) > 1 or len(args.dataset) > 1):
+        from specray.pipeline.bench.drafters import bench_drafters, drafters_table, parse_drafters
 
-        result = serve_bench.bench_serve(target_name=args.target, drafter_dir=args.drafter, dataset=args.dataset,
+        unused = [flag for flag, given in (("--png", args.png), ("--static-sizes", args.static_sizes), ("--tree", args.tree),
+                                           ("--no-transformers", args.no_transformers)) if given]
+        if unused:
+            raise ValueError(f"{', '.join(unused)}: options of a single drafter on one dataset; several drafters or "
+                             "datasets run our AR, each drafter and vLLM only (drop them)")
+        result = bench_drafters(target_name=args.target, drafters=parse_drafters(args.drafter or []),
+                                datasets=tuple(args.dataset), num_prompts=args.num_prompts, max_tokens=args.max_tokens,
+                                batch_sizes=tuple(args.batch_sizes), repeats=args.repeats, vllm=not args.no_vllm,
+                                vllm_drafter=args.vllm_drafter, dtype=args.dtype,
+                                num_speculative_tokens=args.num_speculative_tokens,
+                                max_speculative_batch=args.max_speculative_batch, speculation=args.speculation,
+                                cost_table=args.cost_table)
+        table = drafters_table(result)
+    elif args.benchmark == "serve":
+        from specray.pipeline.bench import serve as serve_bench
+        from specray.pipeline.bench.drafters import parse_drafters
+
+        if args.vllm_drafter is not None:
+            raise ValueError("--vllm-drafter picks one of several --drafter labels; with one drafter vLLM serves it")
+        drafter = next(iter(parse_drafters(args.drafter).values())) if args.drafter else None
+        result = serve_bench.bench_serve(target_name=args.target, drafter_dir=drafter, dataset=args.dataset[0],
                                    num_prompts=args.num_prompts, max_tokens=args.max_tokens,
                                    batch_sizes=tuple(args.batch_sizes), png=args.png, repeats=args.repeats,
                                    vllm=not args.no_vllm, transformers=not args.no_transformers, dtype=args.dtype, static_sizes=tuple(args.static_sizes),
@@ -796,10 +816,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench_capture.add_argument("--repeats", type=int, default=3)
     bench_capture.add_argument("overrides", nargs="*", metavar="section.field=value")
     bench_capture.set_defaults(fn=_cmd_bench)
-    bench_serve = bench_sub.add_parser("serve", help="ours (AR, DFlash) vs transformers generate / prompt lookup")
+    bench_serve = bench_sub.add_parser("serve", help="ours (AR, drafters) vs transformers generate / prompt lookup / vLLM; "
+                                                        "several drafters and datasets side by side")
     bench_serve.add_argument("--json", help="write the result here")
-    bench_serve.add_argument("--drafter", default=None, help="exported drafter (omit: AR baselines only)")
-    bench_serve.add_argument("--dataset", default="mtbench", choices=["mtbench", "humaneval"])
+    bench_serve.add_argument("--drafter", action="append", default=None, metavar="[LABEL=]DIR",
+                             help="exported drafter (omit: AR baselines only); give it again for several drafters "
+                                  "side by side (LABEL names each; default: its algorithm)")
+    bench_serve.add_argument("--dataset", nargs="+", default=["mtbench"], choices=["mtbench", "humaneval"],
+                             help="one or more prompt sets (several: the side-by-side run on each)")
+    bench_serve.add_argument("--vllm-drafter", default=None, metavar="LABEL",
+                             help="with several drafters, the one vLLM also serves (default: the first)")
     bench_serve.add_argument("--target", default=DEFAULT_TARGET)
     bench_serve.add_argument("--num-prompts", type=int, default=20)
     bench_serve.add_argument("--max-tokens", type=int, default=128)

@@ -177,11 +177,11 @@ def vllm_systems(drafter_dir: str | None, target, k: int | None, tmp: str) -> tu
 
 def _bench_vllm(model_dir: Path, encoded: list[list[int]], max_tokens: int, batch_sizes: tuple[int, ...],
                 repeats: int, eos: int, systems: dict[str, dict | None],
-                ours: dict[str, System],
-                dtype: str = "float32") -> tuple[list[dict], dict, dict]:
+                ours: dict[str, System], dtype: str = "float32",
+                paired_with: dict[str, str] = PAIRED_WITH) -> tuple[list[dict], dict, dict]:
     """Each of ``systems`` (in our target's ``dtype``, greedy, on the same token ids), timed
-    interleaved with its counterpart of ``ours`` (name -> a timed system): (runs,
-    outputs, details)."""
+    interleaved with its counterpart of ``ours`` (name -> a timed system; ``paired_with[system]``,
+    else our AR): (runs, outputs, details)."""
     env = {**VLLM_ENV, "OMP_NUM_THREADS": str(torch.get_num_threads())}
     for key, value in env.items():
         os.environ.setdefault(key, value)
@@ -192,7 +192,7 @@ def _bench_vllm(model_dir: Path, encoded: list[list[int]], max_tokens: int, batc
     params = vllm.SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=[eos], detokenize=False)
     runs, outputs, paired = [], {}, {}
     for system, spec in systems.items():
-        counterpart = PAIRED_WITH.get(system, "specray-ar")
+        counterpart = paired_with.get(system, "specray-ar")
         llm = vllm.LLM(model=str(model_dir), dtype=dtype, seed=0, max_model_len=2048, skip_tokenizer_init=True,
                        disable_log_stats=False, speculative_config=spec)
         llm.generate([{"prompt_token_ids": encoded[0]}], vllm.SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
