@@ -16,8 +16,9 @@ For each dataset, on the same prompt token ids:
   export (``vllm-LABEL``, ``vllm_drafter``: the first drafter by default, drafting the live round
   size every step), each timed interleaved with our AR; their tau, acceptance and greedy mismatches.
 
-The drafters share one target; each measures its cost table once (or uses ``cost_table``), and
-the table is reused on every dataset.
+The drafters share one target and one AR engine; each drafter measures its cost table once (or
+uses ``cost_table``), reused on every dataset. vLLM runs after every dataset's runs of ours: once
+started, it changes this process's threading.
 """
 
 from __future__ import annotations
@@ -75,31 +76,35 @@ def bench_drafters(*, target_name: str, drafters: dict[str, str], datasets: tupl
                "speculation": speculation}
     vllm_run = vllm and importlib.util.find_spec("vllm") is not None
     vllm_label = (vllm_drafter or next(iter(drafters))) if vllm_run else None
-    per_dataset = {}
-    for dataset in datasets:
-        conversations = list(load_conversations(dataset, purpose="eval", limit=num_prompts))
-        max_batch = max(batch_sizes)
-        engines = {"specray-ar": Engine(target, None, max_batch=max_batch)}
+    max_batch = max(batch_sizes)
+    ar = Engine(target, None, max_batch=max_batch)
+    per_dataset, prompts, comparisons = {}, {}, {}
+    for dataset in datasets:  # ours first: vLLM changes this process's threading once it has started
+        encoded = prompts[dataset] = [ar.encode(c.as_chat())
+                                      for c in load_conversations(dataset, purpose="eval", limit=num_prompts)]
+        if not encoded:
+            raise ValueError(f"--dataset {dataset!r} has no prompts")
+        engines = {"specray-ar": ar}
         for label, path in drafters.items():
             engine = Engine(target, path, max_batch=max_batch, cost_table=tables.get(label, cost_table), **options)
             tables[label] = engine.versions.cost_table
             engines[f"specray-{label}"] = engine
-        encoded = [engines["specray-ar"].encode(c.as_chat()) for c in conversations]
-        if not encoded:
-            raise ValueError(f"--dataset {dataset!r} has no prompts")
         live = _live(Engine, measure, target, drafters, encoded, max_tokens=max_tokens, batch=max_batch,
                      num_speculative_tokens=num_speculative_tokens, max_len=max(map(len, encoded)) + max_tokens + KV_SLACK)
         warm_up(engines, encoded)
-        comparison = compare(engines, encoded, max_tokens=max_tokens, batch_sizes=batch_sizes, repeats=repeats)
-        entry = {"prompts": len(encoded), "runs": comparison.runs,
-                 "drafters": {label: _drafter_figures(f"specray-{label}", comparison, batch_sizes, live[label])
-                              for label in drafters}}
-        if vllm_run:
-            entry["vllm"] = _vllm(target_name, target, drafters[vllm_label], vllm_label, live[vllm_label], engines,
-                                  comparison, encoded, max_tokens=max_tokens, batch_sizes=batch_sizes, repeats=repeats,
-                                  dtype=dtype)
-            entry["runs"] = entry["runs"] + entry["vllm"].pop("runs")
-        per_dataset[dataset] = entry
+        comparison = comparisons[dataset] = compare(engines, encoded, max_tokens=max_tokens, batch_sizes=batch_sizes,
+                                                    repeats=repeats)
+        per_dataset[dataset] = {"prompts": len(encoded), "runs": comparison.runs,
+                                "drafters": {label: _drafter_figures(f"specray-{label}", comparison, batch_sizes, live[label])
+                                             for label in drafters}}
+        del engines, live
+    for dataset in datasets if vllm_run else ():
+        entry = per_dataset[dataset]
+        entry["vllm"] = _vllm(target_name, target, drafters[vllm_label], vllm_label,
+                              entry["drafters"][vllm_label]["live_num_speculative_tokens"], ar, comparisons[dataset],
+                              prompts[dataset], max_tokens=max_tokens, batch_sizes=batch_sizes, repeats=repeats,
+                              dtype=dtype)
+        entry["runs"] = entry["runs"] + entry["vllm"].pop("runs")
     return {"benchmark": "serve-drafters", "target": target_name, "dtype": dtype,
             "drafters": {label: {"dir": path, "algorithm": algorithms[label]} for label, path in drafters.items()},
             "max_tokens": max_tokens, "batch_sizes": list(batch_sizes), "repeats": repeats, **options,
@@ -145,7 +150,7 @@ def _drafter_figures(system: str, comparison, batch_sizes: tuple[int, ...], live
             "by_batch": by_batch}
 
 
-def _vllm(target_name: str, target, drafter_dir: str, label: str, live: dict, engines: dict, comparison,
+def _vllm(target_name: str, target, drafter_dir: str, label: str, k: int, ar, comparison,
           encoded: list[list[int]], *, max_tokens: int, batch_sizes: tuple[int, ...], repeats: int, dtype: str) -> dict:
     """vLLM's AR and vLLM serving ``drafter_dir``'s speculators export at the live round size, each
     paired with our AR; their figures against our AR and our drafter's engine."""
@@ -154,8 +159,7 @@ def _vllm(target_name: str, target, drafter_dir: str, label: str, live: dict, en
     from specray.serving.sampling import SamplingParams
     from specray.serving.sidebyside import engine_system, mismatches
 
-    k = live["num_speculative_tokens"]
-    ours = {"specray-ar": engine_system(engines["specray-ar"], SamplingParams(max_tokens=max_tokens))}
+    ours = {"specray-ar": engine_system(ar, SamplingParams(max_tokens=max_tokens))}
     with tempfile.TemporaryDirectory(prefix="specray-bench-peer-") as tmp:
         systems, drafter = vllm_systems(drafter_dir, target, k, tmp)
         systems.pop("vllm-ngram")  # prompt lookup is `bench serve`'s single-drafter comparison
