@@ -58,7 +58,7 @@ def bench_drafters(*, target_name: str, drafters: dict[str, str], datasets: tupl
     from specray.capture.data import load_conversations
     from specray.capture.target import load_target
     from specray.serving.engine import Engine
-    from specray.serving.live_eval import KV_SLACK, measure
+    from specray.serving.live_eval import KV_SLACK
     from specray.serving.sidebyside import compare, environment, warm_up
 
     if not drafters:
@@ -89,7 +89,7 @@ def bench_drafters(*, target_name: str, drafters: dict[str, str], datasets: tupl
             engine = Engine(target, path, max_batch=max_batch, cost_table=tables.get(label, cost_table), **options)
             tables[label] = engine.versions.cost_table
             engines[f"specray-{label}"] = engine
-        live = _live(Engine, measure, target, drafters, encoded, max_tokens=max_tokens, batch=max_batch,
+        live = _live(target, drafters, encoded, max_tokens=max_tokens, batch=max_batch,
                      num_speculative_tokens=num_speculative_tokens, max_len=max(map(len, encoded)) + max_tokens + KV_SLACK)
         warm_up(engines, encoded)
         comparison = comparisons[dataset] = compare(engines, encoded, max_tokens=max_tokens, batch_sizes=batch_sizes,
@@ -114,10 +114,13 @@ def bench_drafters(*, target_name: str, drafters: dict[str, str], datasets: tupl
             "datasets": per_dataset, "environment": environment()}
 
 
-def _live(engine_cls, measure, target, drafters: dict[str, str], prompts: list[list[int]], *, max_tokens: int,
-          batch: int, num_speculative_tokens: int | None, max_len: int) -> dict[str, dict]:
+def _live(target, drafters: dict[str, str], prompts: list[list[int]], *, max_tokens: int, batch: int,
+          num_speculative_tokens: int | None, max_len: int) -> dict[str, dict]:
     """Each drafter's live acceptance on ``prompts``: one static engine, each drafter a fresh version."""
-    engine = engine_cls(target, None, max_batch=batch, max_len=max_len, max_waiting=None, speculation="static",
+    from specray.serving.engine import Engine
+    from specray.serving.live_eval import measure
+
+    engine = Engine(target, None, max_batch=batch, max_len=max_len, max_waiting=None, speculation="static",
                         num_speculative_tokens=num_speculative_tokens)
     live = {}
     for number, (label, path) in enumerate(drafters.items(), start=1):
