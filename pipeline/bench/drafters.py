@@ -98,13 +98,21 @@ def bench_drafters(*, target_name: str, drafters: dict[str, str], datasets: tupl
                                 "drafters": {label: _drafter_figures(f"specray-{label}", comparison, batch_sizes, live[label])
                                              for label in drafters}}
         del engines, live
-    for dataset in datasets if vllm_run else ():
-        entry = per_dataset[dataset]
-        entry["vllm"] = _vllm(target_name, target, drafters[vllm_label], vllm_label,
-                              entry["drafters"][vllm_label]["live_num_speculative_tokens"], ar, comparisons[dataset],
-                              prompts[dataset], max_tokens=max_tokens, batch_sizes=batch_sizes, repeats=repeats,
-                              dtype=dtype)
-        entry["runs"] = entry["runs"] + entry["vllm"].pop("runs")
+    if vllm_run:
+        from specray.pipeline.bench.serve import vllm_systems
+
+        k = per_dataset[datasets[0]]["drafters"][vllm_label]["live_num_speculative_tokens"]
+        with tempfile.TemporaryDirectory(prefix="specray-bench-peer-") as tmp:  # the export, written once
+            systems, drafter = vllm_systems(drafters[vllm_label], target, k, tmp)
+            systems.pop("vllm-ngram")  # prompt lookup is `bench serve`'s single-drafter comparison
+            if "vllm-drafter" in systems:
+                systems[f"vllm-{vllm_label}"] = systems.pop("vllm-drafter")
+            for dataset in datasets:
+                entry = per_dataset[dataset]
+                entry["vllm"] = _vllm(target_name, target, systems, ar, comparisons[dataset], prompts[dataset],
+                                      max_tokens=max_tokens, batch_sizes=batch_sizes, repeats=repeats, dtype=dtype)
+                entry["vllm"]["drafter"] = {"label": vllm_label, **drafter} if drafter else None
+                entry["runs"] = entry["runs"] + entry["vllm"].pop("runs")
     return {"benchmark": "serve-drafters", "target": target_name, "dtype": dtype,
             "drafters": {label: {"dir": path, "algorithm": algorithms[label]} for label, path in drafters.items()},
             "max_tokens": max_tokens, "batch_sizes": list(batch_sizes), "repeats": repeats, **options,
@@ -153,23 +161,18 @@ def _drafter_figures(system: str, comparison, batch_sizes: tuple[int, ...], live
             "by_batch": by_batch}
 
 
-def _vllm(target_name: str, target, drafter_dir: str, label: str, k: int, ar, comparison,
-          encoded: list[list[int]], *, max_tokens: int, batch_sizes: tuple[int, ...], repeats: int, dtype: str) -> dict:
-    """vLLM's AR and vLLM serving ``drafter_dir``'s speculators export at the live round size, each
-    paired with our AR; their figures against our AR and our drafter's engine."""
+def _vllm(target_name: str, target, systems: dict[str, dict | None], ar, comparison, encoded: list[list[int]], *,
+          max_tokens: int, batch_sizes: tuple[int, ...], repeats: int, dtype: str) -> dict:
+    """vLLM's ``systems`` (``vllm_systems``: its AR and a drafter's speculators export), each
+    paired with our AR; their figures against our AR."""
     from specray.capture.target import resolve_target_dir
-    from specray.pipeline.bench.serve import _bench_vllm, vllm_systems
+    from specray.pipeline.bench.serve import _bench_vllm
     from specray.serving.sampling import SamplingParams
     from specray.serving.sidebyside import engine_system, mismatches
 
     ours = {"specray-ar": engine_system(ar, SamplingParams(max_tokens=max_tokens))}
-    with tempfile.TemporaryDirectory(prefix="specray-bench-peer-") as tmp:
-        systems, drafter = vllm_systems(drafter_dir, target, k, tmp)
-        systems.pop("vllm-ngram")  # prompt lookup is `bench serve`'s single-drafter comparison
-        if "vllm-drafter" in systems:
-            systems[f"vllm-{label}"] = systems.pop("vllm-drafter")
-        runs, outputs, details = _bench_vllm(resolve_target_dir(target_name), encoded, max_tokens, batch_sizes, repeats,
-                                             target.tokenizer.eos_token_id, systems, ours, dtype, paired_with={})
+    runs, outputs, details = _bench_vllm(resolve_target_dir(target_name), encoded, max_tokens, batch_sizes, repeats,
+                                         target.tokenizer.eos_token_id, systems, ours, dtype, paired_with={})
     paired = details.pop("paired_specray_ar_tokens_per_s")
     by_system = {}
     for system in systems:
@@ -182,7 +185,7 @@ def _vllm(target_name: str, target, drafter_dir: str, label: str, k: int, ar, co
                                 "greedy_mismatches_vs_ar": mismatches(outputs[(system, b)],
                                                                       comparison.outputs[("specray-ar", b)])}
         by_system[system] = by_batch
-    return {**details, "runs": runs, "drafter": {"label": label, **drafter} if drafter else None, "systems": by_system}
+    return {**details, "runs": runs, "systems": by_system}
 
 
 def drafters_table(result: dict) -> str:
